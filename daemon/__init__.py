@@ -1,0 +1,1 @@
+"""The loadmesh agent: configuration, components, local API and CLI."""

@@ -1,0 +1,110 @@
+"""The `loadmesh` command: the agent itself and the operator's commands that talk to it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+from daemon import config as config_mod
+from daemon import logs, render
+from daemon.client import AgentUnavailable, ApiError, Client
+
+# sysexits' EX_CONFIG: the unit file keeps systemd from restarting into the same bad file.
+EXIT_CONFIG = 78
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"loadmesh: {message}", file=sys.stderr)
+    return code
+
+
+def _socket_path(args: argparse.Namespace) -> str:
+    if args.socket:
+        return str(args.socket)
+    if args.config:
+        return config_mod.load(args.config).api.socket
+    return os.environ.get("LOADMESH_SOCKET", config_mod.ApiConfig().socket)
+
+
+def _query(args: argparse.Namespace, path: str) -> Any:
+    with Client(_socket_path(args)) as client:
+        return client.get(path)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from daemon.agent import Agent  # keeps the operator commands from importing the agent
+
+    config = config_mod.load(args.config)
+    logs.setup(config.log_level)
+    return asyncio.run(Agent(config).run())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    body = _query(args, "/v1/status")
+    print(json.dumps(body, indent=2) if args.json else render.status(body))
+    return 0
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    config = config_mod.load(args.file)
+    print(f"{args.file}: ok (node_id {config.node_id})")
+    return 0
+
+
+def cmd_config_defaults(_: argparse.Namespace) -> int:
+    print(config_mod.defaults_toml(), end="")
+    return 0
+
+
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--socket", metavar="PATH",
+                       help="the agent's API socket (default: $LOADMESH_SOCKET or "
+                            f"{config_mod.ApiConfig().socket})")
+    where.add_argument("--config", metavar="FILE", help="take the socket from this config file")
+    parser.add_argument("--json", action="store_true", help="print the agent's JSON answer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loadmesh",
+        description="Route GPU inference requests to the right peer from live, passively "
+                    "measured load.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    agent = commands.add_parser("agent", help="run the agent in the foreground")
+    agent.add_argument("--config", metavar="FILE",
+                       help="TOML configuration (default: the embedded defaults)")
+    agent.set_defaults(func=cmd_agent)
+
+    status = commands.add_parser("status", help="show the running agent's status")
+    _client_options(status)
+    status.set_defaults(func=cmd_status)
+
+    config = commands.add_parser("config", help="check a configuration file, show defaults")
+    config_commands = config.add_subparsers(dest="config_command", required=True,
+                                            metavar="ACTION")
+    check = config_commands.add_parser("check", help="validate FILE and exit")
+    check.add_argument("file", metavar="FILE")
+    check.set_defaults(func=cmd_config_check)
+    defaults = config_commands.add_parser("defaults", help="print every key with its default")
+    defaults.set_defaults(func=cmd_config_defaults)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except config_mod.ConfigError as exc:
+        return _fail(str(exc), EXIT_CONFIG)
+    except AgentUnavailable as exc:
+        return _fail(str(exc))
+    except ApiError as exc:
+        return _fail(f"the agent refused: {exc}")
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,274 @@
+"""The agent's configuration: a typed schema with embedded defaults, read from TOML.
+
+Every key has a default, so `loadmesh agent` runs with no file at all (a one-node mesh on
+this host). A file only overrides what it names. Anything the schema does not know, a value
+of the wrong type or a value out of range stops the agent with an error that names the file
+and the dotted key, because an agent fleet-deployed with a typo must fail loudly on the
+first host rather than run with a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+import tomllib
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Check = Callable[[Any], str | None]
+
+
+class ConfigError(Exception):
+    """A configuration problem, already phrased for the operator."""
+
+    def __init__(self, source: str, key: str, problem: str) -> None:
+        super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
+        self.source = source
+        self.key = key
+        self.problem = problem
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """Split "host:port" or "[v6]:port"; raises ValueError with a reason."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected host:port, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"an IPv6 address needs brackets: [{host}]:{port_text}")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"port must be 1..65535, got {port_text!r}")
+    return host, int(port_text)
+
+
+def _host_port(value: str) -> str | None:
+    try:
+        split_host_port(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _ip_port(value: str) -> str | None:
+    """A listen address must be a literal IP: binding to a name would depend on DNS at boot."""
+    try:
+        host, _ = split_host_port(value)
+        ipaddress.ip_address(host)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _seeds(values: tuple[str, ...]) -> str | None:
+    for i, seed in enumerate(values):
+        problem = _host_port(seed)
+        if problem:
+            return f"[{i}]: {problem}"
+    return None
+
+
+def _ports(values: tuple[int, ...]) -> str | None:
+    if not values:
+        return "at least one serving port is needed"
+    bad = [p for p in values if not 0 < p < 65536]
+    if bad:
+        return f"ports must be 1..65535, got {bad}"
+    if len(set(values)) != len(values):
+        return "ports must not repeat"
+    return None
+
+
+def _interfaces(values: tuple[str, ...]) -> str | None:
+    for name in values:
+        # IFNAMSIZ is 16 including the NUL; '/' and whitespace can never be in a name.
+        if not name or len(name) > 15 or "/" in name or any(c.isspace() for c in name):
+            return f"not a valid interface name: {name!r}"
+    return None
+
+
+def _at_least(low: int) -> Check:
+    return lambda v: None if v >= low else f"must be at least {low}, got {v}"
+
+
+def _between(low: int, high: int) -> Check:
+    return lambda v: None if low <= v <= high else f"must be {low}..{high}, got {v}"
+
+
+def _absolute_path(value: str) -> str | None:
+    if not os.path.isabs(value):
+        return f"must be an absolute path, got {value!r}"
+    # sun_path holds 108 bytes including the NUL.
+    if len(os.fsencode(value)) > 107:
+        return "a Unix socket path must be at most 107 bytes"
+    return None
+
+
+def _node_id(value: str) -> str | None:
+    # Empty means "the host name", filled in after parsing.
+    if len(value.encode()) > 128:
+        return "must be at most 128 bytes"
+    if any(not c.isprintable() or c.isspace() for c in value):
+        return "must be printable, without spaces"
+    return None
+
+
+def _log_level(value: str) -> str | None:
+    levels = ("debug", "info", "warning", "error")
+    return None if value in levels else f"must be one of {', '.join(levels)}"
+
+
+def _key(default: Any, check: Check | None = None, doc: str = "") -> Any:
+    factory = (lambda: default) if isinstance(default, tuple) else None
+    meta = {"check": check, "doc": doc}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ProbesConfig:
+    interfaces: tuple[str, ...] = _key(("lo",), _interfaces, "interfaces the TC probes attach to")
+    ports: tuple[int, ...] = _key((8000,), _ports, "TCP ports the inference servers listen on")
+    required: bool = _key(False, doc="exit instead of running without probes")
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    bind: str = _key("0.0.0.0:7946", _ip_port, "UDP address the gossip listens on")
+    seeds: tuple[str, ...] = _key((), _seeds, "host:port of peers to join through")
+    interval_ms: int = _key(500, _between(10, 60_000), "gossip round period")
+    fanout: int = _key(3, _between(1, 64), "peers contacted each round")
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    socket: str = _key("/run/loadmesh/loadmesh.sock", _absolute_path, "local API Unix socket")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    listen: str = _key("127.0.0.1:9464", _ip_port, "Prometheus exporter address")
+
+
+@dataclass(frozen=True)
+class Config:
+    node_id: str = _key("", _node_id, "this node's name in the mesh (default: host name)")
+    log_level: str = _key("info", _log_level, "debug, info, warning or error")
+    probes: ProbesConfig = field(default_factory=ProbesConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def _describe(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _coerce(value: Any, kind: Any, source: str, key: str) -> Any:
+    """Check one TOML value against a schema type and return it in the schema's form."""
+    origin = typing.get_origin(kind)
+    if origin is tuple:
+        item_kind = typing.get_args(kind)[0]
+        if not isinstance(value, list):
+            raise ConfigError(source, key, f"expected an array, got {_describe(value)}")
+        return tuple(_coerce(v, item_kind, source, f"{key}[{i}]") for i, v in enumerate(value))
+    # bool is a subclass of int in Python, but `fanout = true` is a mistake, not a 1.
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(source, key, f"expected an integer, got {_describe(value)}")
+    if kind in (bool, str) and not isinstance(value, kind):
+        raise ConfigError(source, key, f"expected {_describe(kind())}, got {_describe(value)}")
+    return value
+
+
+def _build(cls: type, table: Mapping[str, Any], source: str, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        known = ", ".join(sorted(fields))
+        raise ConfigError(source, prefix + unknown[0], f"unknown key (known here: {known})")
+    values: dict[str, Any] = {}
+    for name, spec in fields.items():
+        key = prefix + name
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            sub = table.get(name, {})
+            if not isinstance(sub, dict):
+                raise ConfigError(source, key, f"expected a table, got {_describe(sub)}")
+            values[name] = _build(kind, sub, source, key + ".")
+            continue
+        if name not in table:
+            continue
+        value = _coerce(table[name], kind, source, key)
+        check = spec.metadata.get("check")
+        problem = check(value) if check else None
+        if problem:
+            raise ConfigError(source, key, problem)
+        values[name] = value
+    return cls(**values)
+
+
+def parse(text: str, source: str = "<config>") -> Config:
+    """Parse TOML text into a Config; `source` names the file in every error."""
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    config: Config = _build(Config, table, source, "")
+    if not config.node_id:
+        config = dataclasses.replace(config, node_id=socket.gethostname())
+    return config
+
+
+def load(path: str | os.PathLike[str] | None) -> Config:
+    """Load the file at `path`, or the embedded defaults when `path` is None."""
+    if path is None:
+        return parse("", "<defaults>")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), "", f"cannot read: {exc}") from None
+    return parse(text, str(path))
+
+
+def defaults_toml() -> str:
+    """The embedded defaults as a commented TOML document (for `loadmesh config defaults`)."""
+    lines = ["# loadmesh configuration: every key shown with its default.", ""]
+
+    def emit(cls: type, instance: Any, section: str) -> None:
+        nested = []
+        for f in dataclasses.fields(cls):
+            value = getattr(instance, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((f.name, value))
+                continue
+            if f.metadata.get("doc"):
+                lines.append(f"# {f.metadata['doc']}")
+            lines.append(f"{f.name} = {_toml_value(value)}")
+        for name, value in nested:
+            lines.extend(["", f"[{section}{name}]"])
+            emit(type(value), value, f"{section}{name}.")
+
+    emit(Config, Config(), "")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+__all__ = ["Config", "ConfigError", "ProbesConfig", "GossipConfig", "ApiConfig",
+           "MetricsConfig", "parse", "load", "split_host_port", "defaults_toml"]

@@ -1,0 +1,1 @@
+"""The mesh: LoadSnapshot and its wire codec, membership and merge, UDP transport."""

@@ -1,0 +1,1 @@
+"""eBPF probes that fingerprint inference HTTP traffic, their loader and map reader."""
