@@ -16,6 +16,9 @@ from daemon.api_server import ApiServer, Router
 from daemon.config import Config
 from daemon.health import Component, State, StartupError
 from daemon.http import Request, Response
+from daemon.gpu_component import GpuComponent
+from daemon.probes_component import ProbesComponent
+from daemon.snapshot_component import SnapshotComponent
 
 log = logs.get("agent")
 
@@ -33,7 +36,11 @@ class Agent:
         self.router = Router()
         # The API comes first: claiming its socket is what stops a second agent on the same
         # host before it attaches probes a second time.
-        self.components: list[Component] = [ApiServer(config.api.socket, self.router)]
+        self.probes = ProbesComponent(config.probes, self.router)
+        self.gpu = GpuComponent()
+        self.snapshot = SnapshotComponent(config, self.probes, self.gpu, self.router)
+        self.components: list[Component] = [
+            ApiServer(config.api.socket, self.router), self.probes, self.gpu, self.snapshot]
         self._started_wall = time.time()
         self._started_mono = time.monotonic()
         self.router.add("GET", "/healthz", self._healthz)
@@ -81,8 +88,10 @@ class Agent:
         return {c.name: c.health().as_json() for c in self.components}
 
     def _overall(self) -> State:
-        states = {c.health().state for c in self.components}
-        return State.OK if states == {State.OK} else State.DEGRADED
+        # "off" is a component this host does not have (no GPU, no interfaces): that is
+        # how the host is, not something wrong with the agent.
+        degraded = any(c.health().state is State.DEGRADED for c in self.components)
+        return State.DEGRADED if degraded else State.OK
 
     def _summary(self) -> str:
         return ", ".join(f"{c.name} {c.health()}" for c in self.components)

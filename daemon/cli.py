@@ -49,6 +49,37 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dump(args: argparse.Namespace) -> int:
+    body = _query(args, "/v1/fingerprints")
+    print(json.dumps(body, indent=2) if args.json else render.fingerprints(body))
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    body = _query(args, "/v1/snapshot")
+    print(json.dumps(body, indent=2) if args.json else render.snapshot(body))
+    return 0
+
+
+def _drain(args: argparse.Namespace, path: str) -> int:
+    with Client(_socket_path(args)) as client:
+        body = client.post(path, {})
+    if args.json:
+        print(json.dumps(body))
+    else:
+        print("draining: peers stop sending new requests" if body["draining"]
+              else "undrained: peers may send requests again")
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    return _drain(args, "/v1/drain")
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    return _drain(args, "/v1/undrain")
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     config = config_mod.load(args.file)
     print(f"{args.file}: ok (node_id {config.node_id})")
@@ -85,6 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     _client_options(status)
     status.set_defaults(func=cmd_status)
 
+    dump = commands.add_parser("dump", help="show the eBPF fingerprint maps, per model and flow")
+    _client_options(dump)
+    dump.set_defaults(func=cmd_dump)
+
+    snapshot = commands.add_parser("snapshot", help="show this node's current LoadSnapshot")
+    _client_options(snapshot)
+    snapshot.set_defaults(func=cmd_snapshot)
+
+    drain = commands.add_parser("drain", help="stop peers from sending this node new requests")
+    _client_options(drain)
+    drain.set_defaults(func=cmd_drain)
+
+    undrain = commands.add_parser("undrain", help="end a drain")
+    _client_options(undrain)
+    undrain.set_defaults(func=cmd_undrain)
+
     config = commands.add_parser("config", help="check a configuration file, show defaults")
     config_commands = config.add_subparsers(dest="config_command", required=True,
                                             metavar="ACTION")
@@ -108,3 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"the agent refused: {exc}")
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `loadmesh dump | head`: the reader left; say nothing more, like any filter.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.score import ScoreWeights
+
 Check = Callable[[Any], str | None]
 
 
@@ -100,6 +102,21 @@ def _between(low: int, high: int) -> Check:
     return lambda v: None if low <= v <= high else f"must be {low}..{high}, got {v}"
 
 
+def _range(low: float, high: float) -> Check:
+    return lambda v: None if low <= v <= high else f"must be {low:g}..{high:g}, got {v:g}"
+
+
+def _targets(values: dict[str, float]) -> str | None:
+    bad = [name for name, ms in values.items() if not 0 < ms <= 3_600_000]
+    return f"targets must be 0..3600000 ms: {', '.join(bad)}" if bad else None
+
+
+def _advertise(value: str) -> str | None:
+    if value and (len(value) > 253 or any(c.isspace() or c in "/[]" for c in value)):
+        return f"not a host name or address: {value!r}"
+    return None
+
+
 def _absolute_path(value: str) -> str | None:
     if not os.path.isabs(value):
         return f"must be an absolute path, got {value!r}"
@@ -124,10 +141,9 @@ def _log_level(value: str) -> str | None:
 
 
 def _key(default: Any, check: Check | None = None, doc: str = "") -> Any:
-    factory = (lambda: default) if isinstance(default, tuple) else None
     meta = {"check": check, "doc": doc}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
+    if isinstance(default, (tuple, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -136,6 +152,7 @@ class ProbesConfig:
     interfaces: tuple[str, ...] = _key(("lo",), _interfaces, "interfaces the TC probes attach to")
     ports: tuple[int, ...] = _key((8000,), _ports, "TCP ports the inference servers listen on")
     required: bool = _key(False, doc="exit instead of running without probes")
+    window_s: float = _key(10.0, _range(1, 300), "sliding window of the latency percentiles, s")
 
 
 @dataclass(frozen=True)
@@ -157,13 +174,36 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class LoadConfig:
+    tick_ms: int = _key(1000, _between(100, 60_000), "how often the snapshot is rebuilt")
+    heartbeat_ms: int = _key(5000, _between(500, 600_000),
+                             "the version moves at least this often, changed or not")
+    half_life_s: float = _key(3.0, _range(0.1, 600), "score smoothing: a sample's weight halves in this time")
+    degraded_at: float = _key(0.7, _range(0.01, 1), "score from which the node is degraded")
+    overloaded_at: float = _key(0.9, _range(0.01, 1), "score from which the node is overloaded")
+    latency_target_ms: float = _key(2000.0, _range(0.01, 3_600_000),
+                                    "P99 time to first byte a model should stay under")
+    latency_targets_ms: dict[str, float] = _key({}, _targets, "per model name, overrides latency_target_ms")
+    weights: ScoreWeights = field(default_factory=ScoreWeights)
+
+    def __post_init__(self) -> None:
+        if self.degraded_at >= self.overloaded_at:
+            raise ValueError(f"degraded_at ({self.degraded_at:g}) must be below "
+                             f"overloaded_at ({self.overloaded_at:g})")
+
+
+@dataclass(frozen=True)
 class Config:
     node_id: str = _key("", _node_id, "this node's name in the mesh (default: host name)")
     log_level: str = _key("info", _log_level, "debug, info, warning or error")
+    advertise: str = _key("", _advertise, "host peers send inference requests to "
+                          "(default: this host's first non-loopback address)")
+    state_dir: str = _key("/var/lib/loadmesh", _absolute_path, "where state survives restarts")
     probes: ProbesConfig = field(default_factory=ProbesConfig)
     gossip: GossipConfig = field(default_factory=GossipConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
 
 
 def _describe(value: Any) -> str:
@@ -174,6 +214,11 @@ def _describe(value: Any) -> str:
 def _coerce(value: Any, kind: Any, source: str, key: str) -> Any:
     """Check one TOML value against a schema type and return it in the schema's form."""
     origin = typing.get_origin(kind)
+    if origin is dict:
+        value_kind = typing.get_args(kind)[1]
+        if not isinstance(value, dict):
+            raise ConfigError(source, key, f"expected a table, got {_describe(value)}")
+        return {k: _coerce(v, value_kind, source, f"{key}.{k}") for k, v in value.items()}
     if origin is tuple:
         item_kind = typing.get_args(kind)[0]
         if not isinstance(value, list):
@@ -182,6 +227,10 @@ def _coerce(value: Any, kind: Any, source: str, key: str) -> Any:
     # bool is a subclass of int in Python, but `fanout = true` is a mistake, not a 1.
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(source, key, f"expected an integer, got {_describe(value)}")
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(source, key, f"expected a number, got {_describe(value)}")
+        return float(value)
     if kind in (bool, str) and not isinstance(value, kind):
         raise ConfigError(source, key, f"expected {_describe(kind())}, got {_describe(value)}")
     return value
@@ -212,7 +261,10 @@ def _build(cls: type, table: Mapping[str, Any], source: str, prefix: str) -> Any
         if problem:
             raise ConfigError(source, key, problem)
         values[name] = value
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:  # a section that checks its keys together (score weights)
+        raise ConfigError(source, prefix.rstrip("."), str(exc)) from None
 
 
 def parse(text: str, source: str = "<config>") -> Config:
@@ -267,8 +319,10 @@ def _toml_value(value: Any) -> str:
         return str(value)
     if isinstance(value, tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_value(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 __all__ = ["Config", "ConfigError", "ProbesConfig", "GossipConfig", "ApiConfig",
-           "MetricsConfig", "parse", "load", "split_host_port", "defaults_toml"]
+           "MetricsConfig", "LoadConfig", "parse", "load", "split_host_port", "defaults_toml"]

@@ -46,13 +46,20 @@ class _LineFormatter(logging.Formatter):
         return f"{stamp}.{millis:03d}Z {record.levelname.lower():<7} {source}: {message}"
 
 
+# Loggers of loadmesh's own packages; the modules of probes/ and gossip/ log under their
+# module names, since they must not depend on the daemon.
+_OWN = ("loadmesh", "daemon", "probes", "gossip")
+
+
 def setup(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LineFormatter(_stderr_is_journal()))
-    root = logging.getLogger("loadmesh")
+    root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    # Libraries (pyroute2, zeroconf) speak only when something is wrong.
+    root.setLevel(logging.WARNING)
+    for name in _OWN:
+        logging.getLogger(name).setLevel(level.upper())
 
 
 def get(component: str) -> logging.Logger:

@@ -36,3 +36,58 @@ def status(body: Mapping[str, Any]) -> str:
     width = max((len(name) for name in components), default=0)
     lines.extend(f"  {name.ljust(width)}  {health_line(h)}" for name, h in components.items())
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def fingerprints(body: Mapping[str, Any]) -> str:
+    model_rows = [
+        (m["model"], m["requests"], f"{m['rps']:.1f}",
+         " ".join(f"{code}:{n}" for code, n in sorted(m["status"].items())) or "-",
+         _ms(m["p50_ms"]), _ms(m["p95_ms"]), _ms(m["p99_ms"]), m["inflight"])
+        for m in body["models"]
+    ]
+    flow_rows = [
+        (f["src"], f["dst"], f["model"], f["status"], f["count"],
+         _ms(f.get("mean_ms")), _ms(f.get("max_ms")))
+        for f in body["flows"]
+    ]
+    return "\n\n".join([
+        table(("MODEL", "REQUESTS", "RPS", "STATUS", "P50_MS", "P95_MS", "P99_MS", "INFLIGHT"),
+              model_rows),
+        table(("SRC", "DST", "MODEL", "STATUS", "COUNT", "MEAN_MS", "MAX_MS"), flow_rows),
+    ])
+
+
+def snapshot(body: Mapping[str, Any]) -> str:
+    host = body["host"]
+    pressure = host["cpu_pressure_pct"]
+    lines = [
+        f"node       {body['node_id']}",
+        f"version    {body['version']} (at {body['timestamp_ms']} ms)",
+        f"state      {body['state']}, load score {body['score']:.4f} (0..1)",
+        f"endpoints  {', '.join(body['endpoints']) or '-'}",
+        f"host       cpu {host['cpu_util_ratio'] * 100:.1f} %, "
+        f"memory {host['mem_used_mib']} / {host['mem_total_mib']} MiB, "
+        f"load1 {host['load1']:.2f}, cpu pressure "
+        + ("-" if pressure is None else f"{pressure:.2f} %"),
+        "",
+    ]
+    gpu_rows = [
+        (g["index"], g["name"] or "-", "yes" if g["healthy"] else "NO", g["util_pct"],
+         f"{g['mem_used_mib']}/{g['mem_total_mib']}", g["temp_c"],
+         f"{g['power_w']}/{g['power_limit_w']}", g["throttle_reasons"], g["processes"])
+        for g in body["gpus"]
+    ]
+    lines.append(table(("GPU", "NAME", "HEALTHY", "UTIL_%", "MEM_MIB", "TEMP_C", "POWER_W",
+                        "THROTTLE", "PROCS"), gpu_rows) if gpu_rows else "gpus       none")
+    model_rows = [
+        (m["model"], m["port"], f"{m['rps']:.2f}", f"{m['error_ratio']:.4f}",
+         _ms(m["p50_ms"]), _ms(m["p99_ms"]), m["in_flight"])
+        for m in body["models"]
+    ]
+    lines += ["", table(("MODEL", "PORT", "RPS", "ERROR_RATIO", "P50_MS", "P99_MS", "IN_FLIGHT"),
+                        model_rows) if model_rows else "models     none seen yet"]
+    return "\n".join(lines)

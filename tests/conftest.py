@@ -78,9 +78,13 @@ def run_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def agent_config(socket_path: Path | str, node_id: str = "test-node", extra: str = "") -> str:
-    """A test agent's config: its own node id and socket, then whatever the test adds."""
-    return f'node_id = "{node_id}"\n{extra}\n[api]\nsocket = "{socket_path}"\n'
+def agent_config(socket_path: Path | str, node_id: str = "test-node", extra: str = "",
+                 probes: str = "interfaces = []") -> str:
+    """A test agent's config: its own node id, socket and state directory (beside the
+    socket), probes off unless the test attaches them somewhere, then what the test adds."""
+    state_dir = Path(socket_path).parent / f"state-{node_id}"
+    return (f'node_id = "{node_id}"\nstate_dir = "{state_dir}"\n{extra}\n'
+            f'[api]\nsocket = "{socket_path}"\n[probes]\n{probes}\n')
 
 
 @pytest.fixture

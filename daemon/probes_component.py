@@ -1,0 +1,119 @@
+"""The `probes` component: loads the eBPF fingerprint probes and polls their maps.
+
+Compiling and attaching (about two seconds of clang) and reading the maps both block, so
+they run in worker threads; the event loop only reads the reader's latest report. Probes
+that cannot load leave the agent running without them, degraded with the reason, unless the
+operator said they are required.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from http import HTTPStatus
+from collections.abc import Sequence
+from typing import Any
+
+from daemon import logs
+from daemon.api_server import Router
+from daemon.config import ProbesConfig
+from daemon.health import OK, Health, State, StartupError
+from daemon.http import Request, Response
+from daemon.snapshot_builder import ModelFigures
+from probes.model_id import NO_MODEL
+
+log = logs.get("probes")
+
+
+class ProbesComponent:
+    name = "probes"
+
+    def __init__(self, config: ProbesConfig, router: Router) -> None:
+        self.config = config
+        self._health = Health(State.OFF, "not started")
+        self._probes: Any = None
+        self._reader: Any = None
+        self._poller: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        router.add("GET", "/v1/fingerprints", self._fingerprints)
+
+    async def start(self) -> None:
+        if not self.config.interfaces:
+            self._health = Health(State.OFF, "no interfaces configured")
+            log.info("off: no interfaces configured")
+            return
+        # Imported here so that an agent without bcc still starts, degraded.
+        try:
+            from probes.loader import MapSizes, ProbeSet, ProbeUnavailable
+            from probes.reader import FingerprintReader
+        except ImportError as exc:
+            self._unavailable(f"cannot import the probes: {exc}")
+            return
+        sizes = MapSizes()
+        probes = ProbeSet(self.config.interfaces, self.config.ports, sizes)
+        try:
+            await asyncio.to_thread(probes.start)
+        except ProbeUnavailable as exc:
+            self._unavailable(str(exc))
+            return
+        self._probes = probes
+        self._reader = FingerprintReader(probes, window_s=self.config.window_s)
+        self._poller = asyncio.create_task(self._poll(), name="probes-poll")
+        self._health = OK
+        log.info("attached to %s, ports %s", ", ".join(self.config.interfaces),
+                 ", ".join(map(str, self.config.ports)))
+
+    def _unavailable(self, reason: str) -> None:
+        if self.config.required:
+            raise StartupError(f"probes are required (probes.required = true): {reason}")
+        self._health = Health(State.DEGRADED, reason)
+        log.warning("running without probes: %s", reason)
+
+    async def _poll(self) -> None:
+        period = 1.0
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                await asyncio.to_thread(self._reader.poll, started)
+            except Exception:
+                # A failed read loses one second of figures, not the agent's probes.
+                log.exception("reading the probe maps failed")
+            delay = max(0.0, period - (time.monotonic() - started))
+            try:
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            except TimeoutError:
+                pass
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._poller is not None:
+            # Waited for, not cancelled: a read still running in its thread must finish
+            # before the maps it reads are torn down.
+            await self._poller
+            self._poller = None
+        if self._probes is not None:
+            await asyncio.to_thread(self._probes.stop)
+            self._probes = None
+            log.info("detached")
+
+    def health(self) -> Health:
+        return self._health
+
+    def model_figures(self) -> Sequence[ModelFigures]:
+        """This tick's figures per (model, serving port), for the snapshot."""
+        return () if self._reader is None else self._reader.model_stats()
+
+    def model_names(self) -> dict[int, str]:
+        names = {} if self._reader is None else dict(self._reader.model_names())
+        names[NO_MODEL] = "-"
+        return names
+
+    def report(self) -> dict[str, Any] | None:
+        return None if self._reader is None else self._reader.report()
+
+    def _fingerprints(self, _: Request) -> Response:
+        report = self.report()
+        if report is None:
+            return Response.error(HTTPStatus.SERVICE_UNAVAILABLE,
+                                  f"probes are not running: {self._health}")
+        return Response.json(report)

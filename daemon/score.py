@@ -1,0 +1,190 @@
+"""The load score: one number in [0, 1] that peers compare when they pick where to send a
+request, and the node state derived from it.
+
+Components, each in [0, 1] (docs/snapshot.md explains the defaults):
+
+    gpu_util    mean GPU utilisation; a GPU NVML cannot read counts as fully busy
+    gpu_memory  fullest GPU's used/total, ramped from memory_knee (0) to 1.0 (1)
+    latency     worst model's P99 / its latency target, capped at 1
+    errors      request-weighted error ratio / error_ratio_ceiling, capped at 1
+    in_flight   requests in flight / (in_flight_per_gpu * max(1, GPUs)), capped at 1
+    cpu         max(CPU utilisation, CPU pressure (PSI some avg10) / 100)
+    gpu_failed  share of GPUs that NVML cannot read
+
+    blend = sum(w_k * c_k) / sum(w_k)      over the weighted components that have data
+    score = max(blend, latency, errors, gpu_failed)
+
+A component without data (no GPUs, no model with traffic) leaves the blend, so the rest
+keep their relative weight. latency, errors and gpu_failed also floor the score: an SLO
+about to be missed, failing requests or dead GPUs each make a node unattractive on their
+own, however idle the rest of it looks. The instant score is then smoothed by exponential
+decay (ScoreSmoother) before it becomes the snapshot's score and state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+from gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
+
+
+@dataclass(frozen=True)
+class ScoreWeights:
+    gpu_util: float = 0.35
+    gpu_memory: float = 0.10
+    latency: float = 0.25
+    errors: float = 0.10
+    in_flight: float = 0.15
+    cpu: float = 0.05
+
+    def __post_init__(self) -> None:
+        values = [getattr(self, f.name) for f in fields(self)]
+        if any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+            raise ValueError(f"score weights must be finite, non-negative and not all zero: {self}")
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    weights: ScoreWeights = ScoreWeights()
+    default_latency_target_ms: float = 2000.0
+    # Keyed by model_id (FNV-1a 64 of the model name, as the probes hash it).
+    latency_targets_ms: Mapping[int, float] = field(default_factory=dict)
+    error_ratio_ceiling: float = 0.05
+    memory_knee: float = 0.95
+    in_flight_per_gpu: int = 64
+    half_life_s: float = 3.0
+    degraded_at: float = 0.7
+    overloaded_at: float = 0.9
+
+    def __post_init__(self) -> None:
+        targets = [self.default_latency_target_ms, *self.latency_targets_ms.values()]
+        if any(not t > 0 for t in targets):
+            raise ValueError("latency targets must be positive")
+        if not 0 < self.error_ratio_ceiling <= 1:
+            raise ValueError("error_ratio_ceiling must be in (0, 1]")
+        if not 0 <= self.memory_knee < 1:
+            raise ValueError("memory_knee must be in [0, 1)")
+        if self.in_flight_per_gpu < 1:
+            raise ValueError("in_flight_per_gpu must be at least 1")
+        if not self.half_life_s > 0:
+            raise ValueError("half_life_s must be positive")
+        if not 0 < self.degraded_at < self.overloaded_at <= 1:
+            raise ValueError("need 0 < degraded_at < overloaded_at <= 1")
+
+    def latency_target_ms(self, model_id: int) -> float:
+        return self.latency_targets_ms.get(model_id, self.default_latency_target_ms)
+
+
+@dataclass(frozen=True)
+class Components:
+    """Score inputs, each in [0, 1]; None where there is nothing to measure."""
+
+    gpu_util: float | None
+    gpu_memory: float | None
+    latency: float | None
+    errors: float | None
+    in_flight: float
+    cpu: float
+    gpu_failed: float | None
+
+
+def _cap(x: float) -> float:
+    return min(1.0, max(0.0, x))
+
+
+def _memory_fraction(g: GpuLoad) -> float:
+    if not g.healthy:
+        return 1.0
+    # A total of 0 means NVML could not report memory on this GPU (some MIG and vGPU
+    # setups): unknown, so it adds no pressure.
+    return g.mem_used_mib / g.mem_total_mib if g.mem_total_mib else 0.0
+
+
+def components(
+    host: HostLoad,
+    gpus: Sequence[GpuLoad],
+    models: Sequence[ModelLoad],
+    config: ScoreConfig,
+) -> Components:
+    gpu_util: float | None = None
+    gpu_memory: float | None = None
+    gpu_failed: float | None = None
+    if gpus:
+        gpu_util = sum(g.util_pct / 100 if g.healthy else 1.0 for g in gpus) / len(gpus)
+        fullest = max(_memory_fraction(g) for g in gpus)
+        gpu_memory = _cap((fullest - config.memory_knee) / (1 - config.memory_knee))
+        gpu_failed = sum(not g.healthy for g in gpus) / len(gpus)
+
+    # A model without requests in the window has no meaningful latency or error ratio.
+    serving = [m for m in models if m.rps > 0]
+    latency: float | None = None
+    errors: float | None = None
+    if serving:
+        latency = _cap(max(m.p99_ms / config.latency_target_ms(m.model_id) for m in serving))
+        total_rps = sum(m.rps for m in serving)
+        error_ratio = sum(m.error_ratio * m.rps for m in serving) / total_rps
+        errors = _cap(error_ratio / config.error_ratio_ceiling)
+
+    capacity = config.in_flight_per_gpu * max(1, len(gpus))
+    in_flight = _cap(sum(m.in_flight for m in models) / capacity)
+    pressure = (host.cpu_pressure_pct or 0.0) / 100
+    cpu = _cap(max(host.cpu_util, pressure))
+    return Components(gpu_util, gpu_memory, latency, errors, in_flight, cpu, gpu_failed)
+
+
+def instant_score(c: Components, weights: ScoreWeights) -> float:
+    weighted = [
+        (weights.gpu_util, c.gpu_util),
+        (weights.gpu_memory, c.gpu_memory),
+        (weights.latency, c.latency),
+        (weights.errors, c.errors),
+        (weights.in_flight, c.in_flight),
+        (weights.cpu, c.cpu),
+    ]
+    present = [(w, v) for w, v in weighted if v is not None]
+    total_weight = sum(w for w, _ in present)
+    blend = sum(w * v for w, v in present) / total_weight if total_weight else 0.0
+    floors = [v for v in (c.latency, c.errors, c.gpu_failed) if v is not None]
+    return _cap(max([blend, *floors]))
+
+
+class ScoreSmoother:
+    """Exponentially decaying average over irregularly spaced samples.
+
+    A sample dt seconds after the previous one gets weight 1 - 2**(-dt / half_life): a
+    sample's influence halves every half_life seconds, whatever the tick rate, so two
+    ticks of one second give the same result as one tick of two seconds with the same
+    input. The first sample is taken as is.
+    """
+
+    def __init__(self, half_life_s: float) -> None:
+        if not half_life_s > 0:
+            raise ValueError("half_life_s must be positive")
+        self.half_life_s = half_life_s
+        self._value: float | None = None
+        self._at = 0.0
+
+    def update(self, value: float, now_s: float) -> float:
+        if self._value is None:
+            self._value = value
+        else:
+            # A clock that went back adds no time, rather than a negative weight.
+            dt = max(0.0, now_s - self._at)
+            weight = 1.0 - 2.0 ** (-dt / self.half_life_s)
+            self._value += weight * (value - self._value)
+        self._at = now_s
+        return self._value
+
+
+def state_for(score: float, draining: bool, config: ScoreConfig) -> State:
+    """Watermarks: below degraded_at ok, below overloaded_at degraded, else overloaded;
+    an operator's drain overrides them all."""
+    if draining:
+        return State.DRAINING
+    if score >= config.overloaded_at:
+        return State.OVERLOADED
+    if score >= config.degraded_at:
+        return State.DEGRADED
+    return State.OK

@@ -1,0 +1,131 @@
+"""Turns one tick's collector and probe figures into the snapshot this node publishes."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from daemon.score import ScoreConfig, ScoreSmoother, components, instant_score, state_for
+from daemon.versioning import ChangeDetector, VersionClock, wall_ms
+from gossip.snapshot import (
+    MAX_GPUS,
+    MAX_IN_FLIGHT,
+    MAX_LATENCY_MS,
+    MAX_MODELS,
+    MAX_RPS,
+    Endpoint,
+    GpuLoad,
+    HostLoad,
+    LoadSnapshot,
+    ModelLoad,
+    wire_score,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ModelFigures(Protocol):
+    """What the probes reader reports per (model, serving port) each tick."""
+
+    @property
+    def model_id(self) -> int: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def rps(self) -> float: ...
+    @property
+    def error_ratio(self) -> float: ...
+    @property
+    def p50_ms(self) -> float: ...
+    @property
+    def p99_ms(self) -> float: ...
+    @property
+    def in_flight(self) -> int: ...
+
+
+def _bounded(value: float, hi: float) -> float:
+    # A window without requests may give NaN percentiles: no data reads as zero.
+    return min(max(value, 0.0), hi) if math.isfinite(value) else 0.0
+
+
+def _model_load(m: ModelFigures) -> ModelLoad:
+    return ModelLoad(
+        model_id=m.model_id,
+        port=m.port,
+        rps=_bounded(m.rps, MAX_RPS),
+        error_ratio=_bounded(m.error_ratio, 1.0),
+        p50_ms=_bounded(m.p50_ms, MAX_LATENCY_MS),
+        p99_ms=_bounded(m.p99_ms, MAX_LATENCY_MS),
+        in_flight=min(max(m.in_flight, 0), MAX_IN_FLIGHT),
+    )
+
+
+class SnapshotBuilder:
+    """Builds the next snapshot each tick and decides whether it is a new version.
+
+    While nothing material changes, build() returns the snapshot published last, same
+    version and same content: a version always names one content.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        endpoints: Sequence[Endpoint],
+        versions: VersionClock,
+        detector: ChangeDetector,
+        score_config: ScoreConfig,
+        now_ms: Callable[[], int] = wall_ms,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self.endpoints = tuple(endpoints)
+        self.score_config = score_config
+        self._versions = versions
+        self._detector = detector
+        self._smoother = ScoreSmoother(score_config.half_life_s)
+        self._now_ms = now_ms
+        self._monotonic = monotonic
+        self._published: LoadSnapshot | None = None
+
+    @property
+    def published(self) -> LoadSnapshot | None:
+        return self._published
+
+    def build(
+        self,
+        host: HostLoad,
+        gpus: Sequence[GpuLoad],
+        models: Sequence[ModelFigures],
+        draining: bool = False,
+    ) -> tuple[LoadSnapshot, bool, bool]:
+        """(snapshot to publish, whether its version is new, whether peers need it now)."""
+        loads = [_model_load(m) for m in models]
+        if len(loads) > MAX_MODELS:
+            # The wire carries at most MAX_MODELS: keep the ones carrying the most traffic.
+            loads = sorted(loads, key=lambda m: (m.in_flight, m.rps), reverse=True)[:MAX_MODELS]
+        gpus = sorted(gpus, key=lambda g: g.index)[:MAX_GPUS]
+        instant = instant_score(components(host, gpus, loads, self.score_config), self.score_config.weights)
+        smoothed = self._smoother.update(instant, self._monotonic())
+        # Rounding inside the smoother can overshoot 1.0 by an ulp.
+        score = wire_score(min(max(smoothed, 0.0), 1.0))
+        candidate = LoadSnapshot(
+            node_id=self.node_id,
+            endpoints=self.endpoints,
+            version=self._versions.peek(),
+            timestamp_ms=self._now_ms(),
+            state=state_for(score, draining, self.score_config),
+            score=score,
+            host=host,
+            gpus=tuple(gpus),
+            models=tuple(loads),
+        )
+        change = self._detector.compare(self._published, candidate)
+        if not change.material and self._published is not None:
+            return self._published, False, False
+        self._published = replace(candidate, version=self._versions.take())
+        log.debug("version %d%s: %s", self._published.version, " (urgent)" if change.urgent else "", change.reason)
+        return self._published, True, change.urgent

@@ -1,0 +1,184 @@
+"""The `snapshot` component: every tick, host + GPU + probe figures become this node's
+LoadSnapshot, which is handed to the mesh whenever its version moves.
+
+It also holds the operator's drain switch. Draining is kept in the state directory, so a
+node drained for maintenance stays drained across an agent restart until undrained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Callable
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from daemon import logs
+from daemon.api_server import Router
+from daemon.collectors.host import HostCollector
+from daemon.config import Config, split_host_port
+from daemon.gpu_component import GpuComponent
+from daemon.health import OK, Health, State
+from daemon.http import Request, Response
+from daemon.probes_component import ProbesComponent
+from daemon.score import ScoreConfig
+from daemon.snapshot_builder import SnapshotBuilder
+from daemon.snapshot_view import snapshot_json
+from daemon.versioning import ChangeDetector, VersionClock, VersionStore
+from gossip.snapshot import Endpoint, LoadSnapshot
+from probes.model_id import model_id as hash_model
+
+log = logs.get("snapshot")
+
+Publish = Callable[[LoadSnapshot, bool], None]
+
+
+def advertise_host(config: Config) -> str:
+    """The host peers should send inference requests to."""
+    if config.advertise:
+        return config.advertise
+    bind_host, _ = split_host_port(config.gossip.bind)
+    if bind_host not in ("0.0.0.0", "::"):
+        return bind_host
+    # The first global address of an interface that is up: a host with one fabric NIC
+    # gets it right, and one with several should set `advertise`.
+    stats = psutil.net_if_stats()
+    for name, addrs in psutil.net_if_addrs().items():
+        if not stats.get(name) or not stats[name].isup:
+            continue
+        for addr in addrs:
+            try:
+                ip = ipaddress.ip_address(addr.address.split("%")[0])
+            except ValueError:
+                continue
+            if not (ip.is_loopback or ip.is_link_local or ip.is_multicast):
+                return str(ip)
+    return "127.0.0.1"
+
+
+def score_config(config: Config) -> ScoreConfig:
+    load = config.load
+    return ScoreConfig(
+        weights=load.weights,
+        default_latency_target_ms=load.latency_target_ms,
+        latency_targets_ms={hash_model(name): ms for name, ms in load.latency_targets_ms.items()},
+        half_life_s=load.half_life_s,
+        degraded_at=load.degraded_at,
+        overloaded_at=load.overloaded_at,
+    )
+
+
+class SnapshotComponent:
+    name = "snapshot"
+
+    def __init__(self, config: Config, probes: ProbesComponent, gpu: GpuComponent,
+                 router: Router) -> None:
+        self.config = config
+        self.probes = probes
+        self.gpu = gpu
+        self._state_dir = Path(config.state_dir)
+        self._drain_flag = self._state_dir / "draining"
+        self._host = HostCollector()
+        self._builder: SnapshotBuilder | None = None
+        self._subscribers: list[Publish] = []
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._health = OK
+        self._draining = False
+        router.add("GET", "/v1/snapshot", self._get_snapshot)
+        router.add("POST", "/v1/drain", lambda _: self._set_draining(True))
+        router.add("POST", "/v1/undrain", lambda _: self._set_draining(False))
+
+    def subscribe(self, publish: Publish) -> None:
+        """Call `publish(snapshot, urgent)` each time the snapshot gets a new version."""
+        self._subscribers.append(publish)
+
+    @property
+    def current(self) -> LoadSnapshot | None:
+        return None if self._builder is None else self._builder.published
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def start(self) -> None:
+        try:
+            self._state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+        except OSError as exc:
+            # Versions then restart from the clock: still never backwards, just less tidy.
+            self._health = Health(State.DEGRADED,
+                                  f"state directory {self._state_dir}: {exc.strerror}")
+            log.warning("%s", self._health.reason)
+        self._draining = self._drain_flag.exists()
+        if self._draining:
+            log.warning("starting drained (%s exists): `loadmesh undrain` ends it", self._drain_flag)
+        endpoints = [Endpoint(advertise_host(self.config), port) for port in self.config.probes.ports]
+        self._builder = SnapshotBuilder(
+            self.config.node_id, endpoints,
+            VersionClock(VersionStore(self._state_dir / "version")),
+            ChangeDetector(heartbeat_ms=self.config.load.heartbeat_ms),
+            score_config(self.config))
+        await self._tick()  # so the API has a snapshot from the first moment
+        self._task = asyncio.create_task(self._run(), name="snapshot-tick")
+        snap = self.current
+        assert snap is not None
+        log.info("publishing as %s, version %d, endpoints %s", snap.node_id, snap.version,
+                 ", ".join(f"{e.host}:{e.port}" for e in snap.endpoints))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    def health(self) -> Health:
+        return self._health
+
+    async def _run(self) -> None:
+        period = self.config.load.tick_ms / 1000
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(self._wake.wait(), period)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            if self._stopping:
+                return
+            try:
+                await self._tick()
+            except Exception:
+                log.exception("building the snapshot failed")
+
+    async def _tick(self) -> None:
+        assert self._builder is not None
+        gpus = await self.gpu.sample()
+        snap, changed, urgent = self._builder.build(
+            self._host.sample(), gpus, self.probes.model_figures(), self.draining)
+        if changed:
+            for publish in self._subscribers:
+                publish(snap, urgent)
+
+    def _set_draining(self, draining: bool) -> Response:
+        self._draining = draining
+        try:
+            if draining:
+                self._drain_flag.touch()
+            else:
+                self._drain_flag.unlink(missing_ok=True)
+        except OSError as exc:
+            log.error("cannot keep the drain state in %s (%s): it lasts until a restart",
+                      self._drain_flag, exc.strerror)
+        log.warning("node %s by the operator", "drained" if draining else "undrained")
+        self._wake.set()  # peers must hear of it now, not at the next tick
+        return Response.json({"draining": draining})
+
+    def _get_snapshot(self, _: Request) -> Response:
+        snap = self.current
+        if snap is None:
+            return Response.error(HTTPStatus.SERVICE_UNAVAILABLE, "no snapshot yet")
+        return Response.json(snapshot_json(snap, self.gpu.devices, self.probes.model_names()))

@@ -1,0 +1,61 @@
+"""The snapshot as operators read it: every figure named with its unit."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from daemon.collectors.gpu import GpuInfo
+from gossip.snapshot import LoadSnapshot
+
+
+def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],
+                  model_names: Mapping[int, str]) -> dict[str, Any]:
+    identity = {d.index: d for d in devices}
+    host = snap.host
+    return {
+        "node_id": snap.node_id,
+        "version": snap.version,
+        "timestamp_ms": snap.timestamp_ms,
+        "state": snap.state.value,
+        "score": snap.score,
+        "endpoints": [f"[{e.host}]:{e.port}" if ":" in e.host else f"{e.host}:{e.port}"
+                      for e in snap.endpoints],
+        "host": {
+            "cpu_util_ratio": host.cpu_util,
+            "mem_used_mib": host.mem_used_mib,
+            "mem_total_mib": host.mem_total_mib,
+            "load1": host.load1,
+            "cpu_pressure_pct": host.cpu_pressure_pct,
+        },
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": identity[g.index].uuid if g.index in identity else "",
+                "name": identity[g.index].name if g.index in identity else "",
+                "healthy": g.healthy,
+                "util_pct": g.util_pct,
+                "mem_used_mib": g.mem_used_mib,
+                "mem_total_mib": g.mem_total_mib,
+                "temp_c": g.temp_c,
+                "power_w": g.power_w,
+                "power_limit_w": g.power_limit_w,
+                "throttle_reasons": f"{g.throttle_reasons:#x}",
+                "processes": g.processes,
+            }
+            for g in snap.gpus
+        ],
+        "models": [
+            {
+                "model": model_names.get(m.model_id, f"{m.model_id:016x}"),
+                "model_id": f"{m.model_id:016x}",
+                "port": m.port,
+                "rps": m.rps,
+                "error_ratio": m.error_ratio,
+                "p50_ms": m.p50_ms,
+                "p99_ms": m.p99_ms,
+                "in_flight": m.in_flight,
+            }
+            for m in snap.models
+        ],
+    }

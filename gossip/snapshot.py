@@ -1,0 +1,378 @@
+"""LoadSnapshot: what one node tells every other node about its load, and its wire codec.
+
+A snapshot is written by exactly one node (its owner) and replaces a peer's stored copy
+when its (version, timestamp_ms) is greater. The dataclasses hold every figure at the
+resolution the wire carries, so a node routes on exactly what its peers see and
+``decode(encode(s)) == s`` holds for every valid snapshot.
+
+Wire format (msgpack, format version 1)
+---------------------------------------
+The top level is a map with one-letter keys::
+
+    "f": format version (int, 1)
+    "n": node_id (str, 1..128 bytes of UTF-8)
+    "e": endpoints, [[host, port], ...]
+    "v": version (uint, < 2**63)
+    "t": timestamp, ms since the Unix epoch (uint, < 2**63)
+    "s": state: 0 ok, 1 degraded, 2 overloaded, 3 draining
+    "l": load score in 1/10000 (0..10000)
+    "h": host,   [cpu_util 1/10000, mem_used MiB, mem_total MiB, load1 1/100,
+                  cpu_pressure 1/100 % or nil]
+    "g": GPUs,   [[index, util %, mem_used MiB, mem_total MiB, temp C, power W,
+                   power_limit W, throttle reasons bitmask, processes, healthy bool], ...]
+    "m": models, [[model_id u64, port, rps 1/100, error_ratio 1/10000, p50 0.1 ms,
+                   p99 0.1 ms, in_flight], ...]
+
+Records are positional arrays rather than maps: with keys, 8 GPUs and 4 models do not fit
+the 512-byte budget. Compatibility rules, so that agents of different releases interoperate:
+
+- A reader ignores top-level keys it does not know and elements past the ones it knows at
+  the end of any record; a newer writer adds fields only that way, under the same "f".
+- A change an older reader cannot skip (a field removed, re-typed or re-scaled) takes a new
+  "f"; a reader refuses a format version it does not support.
+
+GPU identity (UUID, name) stays on the host: peers route on figures, and eight UUIDs alone
+would take 144 of the 512 bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import msgpack
+
+FORMAT_VERSION = 1
+SUPPORTED_FORMATS = frozenset({1})
+
+MAX_GPUS = 16
+MAX_MODELS = 64
+MAX_ENDPOINTS = 16
+MAX_NODE_ID_BYTES = 128
+MAX_HOST_BYTES = 253  # the longest DNS name
+MAX_CLOCK = 2**63 - 1  # versions and timestamps stay within a signed 64-bit integer
+MAX_MIB = 2**32 - 1
+MAX_LOAD_AVERAGE = 100_000.0
+MAX_RPS = 10_000_000.0
+MAX_LATENCY_MS = 3_600_000.0
+MAX_IN_FLIGHT = 2**32 - 1
+# No snapshot within the bounds above encodes to more (the worst case is tested), so the
+# decoder refuses longer input before unpacking anything.
+MAX_ENCODED_BYTES = 8192
+
+
+class SnapshotError(ValueError):
+    """The bytes or values do not make a valid LoadSnapshot."""
+
+
+class State(enum.Enum):
+    OK = "ok"
+    DEGRADED = "degraded"
+    OVERLOADED = "overloaded"
+    DRAINING = "draining"
+
+
+_STATE_CODES = {State.OK: 0, State.DEGRADED: 1, State.OVERLOADED: 2, State.DRAINING: 3}
+_CODE_STATES = {code: state for state, code in _STATE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class _Field:
+    """How one record field is checked and put on the wire.
+
+    kind "int": an integer in [lo, hi]. kind "fixed": a number in [lo, hi] held at
+    1/scale resolution and sent as the integer count of 1/scale. kind "str": UTF-8 of
+    lo..hi bytes. kind "bool": a bool.
+    """
+
+    name: str
+    kind: Literal["int", "fixed", "str", "bool"]
+    hi: float = 0
+    lo: float = 0
+    scale: int = 1
+    optional: bool = False
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(spec: _Field, value: object, where: str) -> object:
+    """The value as the record holds it, or SnapshotError."""
+    if value is None and spec.optional:
+        return None
+    if spec.kind == "bool":
+        if not isinstance(value, bool):
+            raise SnapshotError(f"{where}.{spec.name}: expected bool, got {type(value).__name__}")
+        return value
+    if spec.kind == "str":
+        if not isinstance(value, str):
+            raise SnapshotError(f"{where}.{spec.name}: expected str, got {type(value).__name__}")
+        try:
+            size = len(value.encode())
+        except UnicodeEncodeError as e:  # lone surrogates cannot travel
+            raise SnapshotError(f"{where}.{spec.name}: not valid UTF-8") from e
+        if not spec.lo <= size <= spec.hi:
+            raise SnapshotError(f"{where}.{spec.name}: {size} bytes, allowed {spec.lo}..{spec.hi}")
+        return value
+    if spec.kind == "int":
+        if not _is_int(value):
+            raise SnapshotError(f"{where}.{spec.name}: expected int, got {type(value).__name__}")
+    elif not (_is_int(value) or isinstance(value, float)):
+        raise SnapshotError(f"{where}.{spec.name}: expected number, got {type(value).__name__}")
+    # Written so that NaN fails it too.
+    if not spec.lo <= value <= spec.hi:  # type: ignore[operator]
+        raise SnapshotError(f"{where}.{spec.name}: {value!r} outside {spec.lo}..{spec.hi}")
+    if spec.kind == "fixed":
+        return round(value * spec.scale) / spec.scale  # type: ignore[operator]
+    return value
+
+
+def _to_wire(spec: _Field, value: Any) -> Any:
+    if spec.kind == "fixed" and value is not None:
+        return round(value * spec.scale)
+    return value
+
+
+def _from_wire(spec: _Field, value: Any, where: str) -> Any:
+    if spec.kind != "fixed" or value is None:
+        return value
+    if not _is_int(value):
+        raise SnapshotError(f"{where}.{spec.name}: expected int, got {type(value).__name__}")
+    return value / spec.scale
+
+
+class _Record:
+    """A frozen dataclass whose fields are all described by _FIELDS, in wire order."""
+
+    _FIELDS: ClassVar[tuple[_Field, ...]]
+
+    def __post_init__(self) -> None:
+        where = type(self).__name__
+        for spec in self._FIELDS:
+            object.__setattr__(self, spec.name, _check(spec, getattr(self, spec.name), where))
+
+    def to_wire(self) -> list[Any]:
+        return [_to_wire(spec, getattr(self, spec.name)) for spec in self._FIELDS]
+
+    @classmethod
+    def from_wire(cls, raw: object) -> Any:
+        where = cls.__name__
+        if not isinstance(raw, list):
+            raise SnapshotError(f"{where}: expected array, got {type(raw).__name__}")
+        if len(raw) < len(cls._FIELDS):
+            raise SnapshotError(f"{where}: {len(raw)} elements, need {len(cls._FIELDS)}")
+        # Elements past the known ones come from a newer writer: skipped, by design.
+        return cls(**{s.name: _from_wire(s, v, where) for s, v in zip(cls._FIELDS, raw, strict=False)})
+
+
+@dataclass(frozen=True)
+class Endpoint(_Record):
+    """Where peers send this node's inference requests."""
+
+    host: str
+    port: int
+
+    _FIELDS = (
+        _Field("host", "str", lo=1, hi=MAX_HOST_BYTES),
+        _Field("port", "int", lo=1, hi=65535),
+    )
+
+
+@dataclass(frozen=True)
+class HostLoad(_Record):
+    """Host figures. cpu_pressure_pct is PSI "some avg10" for the CPU, None without PSI."""
+
+    cpu_util: float
+    mem_used_mib: int
+    mem_total_mib: int
+    load1: float
+    cpu_pressure_pct: float | None
+
+    _FIELDS = (
+        _Field("cpu_util", "fixed", hi=1, scale=10_000),
+        _Field("mem_used_mib", "int", hi=MAX_MIB),
+        _Field("mem_total_mib", "int", hi=MAX_MIB),
+        _Field("load1", "fixed", hi=MAX_LOAD_AVERAGE, scale=100),
+        _Field("cpu_pressure_pct", "fixed", hi=100, scale=100, optional=True),
+    )
+
+
+@dataclass(frozen=True)
+class GpuLoad(_Record):
+    """One GPU's figures. An unhealthy GPU (NVML failing on it) reports zeros."""
+
+    index: int
+    util_pct: int
+    mem_used_mib: int
+    mem_total_mib: int
+    temp_c: int
+    power_w: int
+    power_limit_w: int
+    throttle_reasons: int
+    processes: int
+    healthy: bool
+
+    _FIELDS = (
+        _Field("index", "int", hi=255),
+        _Field("util_pct", "int", hi=100),
+        _Field("mem_used_mib", "int", hi=MAX_MIB),
+        _Field("mem_total_mib", "int", hi=MAX_MIB),
+        _Field("temp_c", "int", hi=255),
+        _Field("power_w", "int", hi=65535),
+        _Field("power_limit_w", "int", hi=65535),
+        _Field("throttle_reasons", "int", hi=2**64 - 1),
+        _Field("processes", "int", hi=65535),
+        _Field("healthy", "bool"),
+    )
+
+
+@dataclass(frozen=True)
+class ModelLoad(_Record):
+    """Traffic figures for one model on one serving port.
+
+    model_id is the FNV-1a 64 hash of the request's JSON "model" value, as the probes
+    compute it; port is the local serving port the traffic was measured on, so a peer
+    routing to this node knows which endpoint serves the model.
+    """
+
+    model_id: int
+    port: int
+    rps: float
+    error_ratio: float
+    p50_ms: float
+    p99_ms: float
+    in_flight: int
+
+    _FIELDS = (
+        _Field("model_id", "int", hi=2**64 - 1),
+        _Field("port", "int", lo=1, hi=65535),
+        _Field("rps", "fixed", hi=MAX_RPS, scale=100),
+        _Field("error_ratio", "fixed", hi=1, scale=10_000),
+        _Field("p50_ms", "fixed", hi=MAX_LATENCY_MS, scale=10),
+        _Field("p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10),
+        _Field("in_flight", "int", hi=MAX_IN_FLIGHT),
+    )
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.model_id, self.port)
+
+
+_NODE_ID = _Field("node_id", "str", lo=1, hi=MAX_NODE_ID_BYTES)
+_VERSION = _Field("version", "int", hi=MAX_CLOCK)
+_TIMESTAMP = _Field("timestamp_ms", "int", hi=MAX_CLOCK)
+_SCORE = _Field("score", "fixed", hi=1, scale=10_000)
+
+
+def wire_score(score: float) -> float:
+    """score at the resolution the snapshot holds it, so the state a node derives from it
+    matches the score its peers see."""
+    return _check(_SCORE, score, "score")  # type: ignore[return-value]
+
+
+def _records(value: object, cls: type, limit: int, name: str) -> tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise SnapshotError(f"LoadSnapshot.{name}: expected a sequence, got {type(value).__name__}")
+    if len(value) > limit:
+        raise SnapshotError(f"LoadSnapshot.{name}: {len(value)} entries, at most {limit}")
+    for item in value:
+        if not isinstance(item, cls):
+            raise SnapshotError(f"LoadSnapshot.{name}: expected {cls.__name__}, got {type(item).__name__}")
+    return tuple(value)
+
+
+def _unique_sorted(items: tuple[Any, ...], key: Any, name: str) -> tuple[Any, ...]:
+    """Sorted, so that equal content compares and encodes equal; duplicates are refused."""
+    ordered = tuple(sorted(items, key=key))
+    for a, b in itertools.pairwise(ordered):
+        if key(a) == key(b):
+            raise SnapshotError(f"LoadSnapshot.{name}: duplicate {key(a)!r}")
+    return ordered
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    node_id: str
+    endpoints: tuple[Endpoint, ...]
+    version: int
+    timestamp_ms: int
+    state: State
+    score: float
+    host: HostLoad
+    gpus: tuple[GpuLoad, ...]
+    models: tuple[ModelLoad, ...]
+
+    def __post_init__(self) -> None:
+        where = "LoadSnapshot"
+        for spec in (_NODE_ID, _VERSION, _TIMESTAMP, _SCORE):
+            object.__setattr__(self, spec.name, _check(spec, getattr(self, spec.name), where))
+        if not isinstance(self.state, State):
+            raise SnapshotError(f"{where}.state: expected State, got {type(self.state).__name__}")
+        if not isinstance(self.host, HostLoad):
+            raise SnapshotError(f"{where}.host: expected HostLoad, got {type(self.host).__name__}")
+        endpoints = _records(self.endpoints, Endpoint, MAX_ENDPOINTS, "endpoints")
+        gpus = _records(self.gpus, GpuLoad, MAX_GPUS, "gpus")
+        models = _records(self.models, ModelLoad, MAX_MODELS, "models")
+        object.__setattr__(self, "endpoints", _unique_sorted(endpoints, lambda e: (e.host, e.port), "endpoints"))
+        object.__setattr__(self, "gpus", _unique_sorted(gpus, lambda g: g.index, "gpus"))
+        object.__setattr__(self, "models", _unique_sorted(models, lambda m: m.key, "models"))
+
+
+def encode(snap: LoadSnapshot) -> bytes:
+    data: bytes = msgpack.packb(
+        {
+            "f": FORMAT_VERSION,
+            "n": snap.node_id,
+            "e": [e.to_wire() for e in snap.endpoints],
+            "v": snap.version,
+            "t": snap.timestamp_ms,
+            "s": _STATE_CODES[snap.state],
+            "l": _to_wire(_SCORE, snap.score),
+            "h": snap.host.to_wire(),
+            "g": [g.to_wire() for g in snap.gpus],
+            "m": [m.to_wire() for m in snap.models],
+        },
+        use_bin_type=True,
+    )
+    return data
+
+
+def decode(data: bytes) -> LoadSnapshot:
+    """The snapshot in data; SnapshotError for anything else, whatever the bytes."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SnapshotError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_ENCODED_BYTES:
+        raise SnapshotError(f"{len(data)} bytes, a snapshot is at most {MAX_ENCODED_BYTES}")
+    try:
+        # msgpack reports every malformation (truncation, trailing bytes, bad UTF-8,
+        # nesting too deep, non-string map keys) as a ValueError.
+        top = msgpack.unpackb(data, raw=False)
+    except ValueError as e:
+        raise SnapshotError(f"not msgpack: {e}") from e
+    if not isinstance(top, dict):
+        raise SnapshotError(f"expected a map, got {type(top).__name__}")
+    missing = [k for k in "fnevtslhgm" if k not in top]
+    if missing:
+        raise SnapshotError(f"missing keys {missing}")
+    fmt = top["f"]
+    if not _is_int(fmt) or fmt not in SUPPORTED_FORMATS:
+        raise SnapshotError(f"unsupported format version {fmt!r}")
+    if not _is_int(top["s"]) or top["s"] not in _CODE_STATES:
+        raise SnapshotError(f"unknown state {top['s']!r}")
+    for key in "egm":
+        if not isinstance(top[key], list):
+            raise SnapshotError(f"{key!r}: expected array, got {type(top[key]).__name__}")
+    return LoadSnapshot(
+        node_id=top["n"],
+        endpoints=tuple(Endpoint.from_wire(e) for e in top["e"]),
+        version=top["v"],
+        timestamp_ms=top["t"],
+        state=_CODE_STATES[top["s"]],
+        score=_from_wire(_SCORE, top["l"], "LoadSnapshot"),
+        host=HostLoad.from_wire(top["h"]),
+        gpus=tuple(GpuLoad.from_wire(g) for g in top["g"]),
+        models=tuple(ModelLoad.from_wire(m) for m in top["m"]),
+    )

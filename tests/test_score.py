@@ -1,0 +1,171 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from daemon.score import (
+    Components,
+    ScoreConfig,
+    ScoreSmoother,
+    ScoreWeights,
+    components,
+    instant_score,
+    state_for,
+)
+from gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
+
+CONFIG = ScoreConfig(latency_targets_ms={2: 500.0})
+
+
+def gpu(index: int, util: int, used: int, total: int = 1000, healthy: bool = True) -> GpuLoad:
+    return GpuLoad(index, util, used, total, 60, 300, 700, 0, 1, healthy)
+
+
+def model(model_id: int, rps: float, error_ratio: float, p99_ms: float, in_flight: int) -> ModelLoad:
+    return ModelLoad(model_id, 8000, rps, error_ratio, p99_ms / 2, p99_ms, in_flight)
+
+
+HOST = HostLoad(cpu_util=0.2, mem_used_mib=1, mem_total_mib=2, load1=1.0, cpu_pressure_pct=30.0)
+GPUS = [gpu(0, 60, 960), gpu(1, 80, 500)]
+MODELS = [model(1, 10.0, 0.02, 600.0, 32), model(2, 30.0, 0.0, 150.0, 32)]
+
+
+def test_components_follow_the_documented_definitions() -> None:
+    c = components(HOST, GPUS, MODELS, CONFIG)
+    assert c.gpu_util == pytest.approx(0.7)  # mean of 60 % and 80 %
+    assert c.gpu_memory == pytest.approx(0.2)  # fullest is 0.96: (0.96 - 0.95) / 0.05
+    assert c.latency == pytest.approx(0.3)  # 600 / 2000 default, 150 / 500 configured
+    assert c.errors == pytest.approx(0.1)  # (0.02 * 10 + 0 * 30) / 40 = 0.005, / 0.05
+    assert c.in_flight == pytest.approx(0.5)  # 64 / (64 per GPU * 2 GPUs)
+    assert c.cpu == pytest.approx(0.3)  # PSI 30 % beats 20 % utilisation
+    assert c.gpu_failed == 0
+
+
+def test_score_is_the_weighted_blend() -> None:
+    c = components(HOST, GPUS, MODELS, CONFIG)
+    # 0.35*0.7 + 0.10*0.2 + 0.25*0.3 + 0.10*0.1 + 0.15*0.5 + 0.05*0.3, weights sum to 1
+    assert instant_score(c, CONFIG.weights) == pytest.approx(0.44)
+
+
+def test_custom_weights_change_the_blend() -> None:
+    c = components(HOST, GPUS, MODELS, CONFIG)
+    only_gpu = ScoreWeights(gpu_util=1, gpu_memory=0, latency=0, errors=0, in_flight=0, cpu=0)
+    assert instant_score(c, only_gpu) == pytest.approx(0.7)
+
+
+def test_missing_components_leave_the_blend() -> None:
+    c = components(HostLoad(0.4, 1, 2, 1.0, None), [], [], CONFIG)
+    assert (c.gpu_util, c.gpu_memory, c.latency, c.errors, c.gpu_failed) == (None,) * 5
+    # Only in_flight (0) and cpu (0.4) remain: (0.15*0 + 0.05*0.4) / 0.20
+    assert instant_score(c, CONFIG.weights) == pytest.approx(0.1)
+
+
+def test_models_without_traffic_have_no_latency() -> None:
+    c = components(HOST, GPUS, [model(1, 0.0, 1.0, 60_000.0, 0)], CONFIG)
+    assert c.latency is None and c.errors is None
+
+
+@pytest.mark.parametrize(
+    "c, floor",
+    [
+        (Components(0.1, 0.0, 0.95, 0.0, 0.0, 0.0, 0.0), 0.95),  # P99 near its target
+        (Components(0.1, 0.0, 0.1, 1.0, 0.0, 0.0, 0.0), 1.0),  # errors at the ceiling
+        (Components(0.1, 0.0, None, None, 0.0, 0.0, 0.5), 0.5),  # half the GPUs failed
+    ],
+)
+def test_latency_errors_and_failed_gpus_floor_the_score(c: Components, floor: float) -> None:
+    assert instant_score(c, CONFIG.weights) == pytest.approx(floor)
+
+
+def test_failed_gpu_counts_as_busy_and_full() -> None:
+    c = components(HOST, [gpu(0, 0, 0), gpu(1, 0, 0, healthy=False)], [], CONFIG)
+    assert (c.gpu_util, c.gpu_memory, c.gpu_failed) == (0.5, 1.0, 0.5)
+
+
+def test_unknown_gpu_memory_adds_no_pressure() -> None:
+    assert components(HOST, [gpu(0, 10, 0, total=0)], [], CONFIG).gpu_memory == 0.0
+
+
+def test_everything_saturated_scores_one() -> None:
+    host = HostLoad(1.0, 2, 2, 99.0, 100.0)
+    c = components(host, [gpu(0, 100, 1000)], [model(1, 5.0, 1.0, 60_000.0, 10_000)], CONFIG)
+    assert instant_score(c, CONFIG.weights) == 1.0
+
+
+@pytest.mark.parametrize(
+    "score, state",
+    [
+        (0.0, State.OK),
+        (0.6999, State.OK),
+        (0.7, State.DEGRADED),
+        (0.8999, State.DEGRADED),
+        (0.9, State.OVERLOADED),
+        (1.0, State.OVERLOADED),
+    ],
+)
+def test_watermarks(score: float, state: State) -> None:
+    assert state_for(score, False, CONFIG) is state
+
+
+@pytest.mark.parametrize("score", [0.0, 0.8, 1.0])
+def test_draining_overrides_watermarks(score: float) -> None:
+    assert state_for(score, True, CONFIG) is State.DRAINING
+
+
+def test_watermarks_are_configurable() -> None:
+    config = ScoreConfig(degraded_at=0.5, overloaded_at=0.6)
+    assert [state_for(s, False, config) for s in (0.49, 0.5, 0.6)] == [State.OK, State.DEGRADED, State.OVERLOADED]
+
+
+def test_smoother_takes_first_sample_then_halves_per_half_life() -> None:
+    s = ScoreSmoother(half_life_s=3.0)
+    assert s.update(0.0, now_s=100.0) == 0.0
+    assert s.update(1.0, now_s=103.0) == pytest.approx(0.5)
+    assert s.update(1.0, now_s=106.0) == pytest.approx(0.75)
+
+
+def test_recent_samples_weigh_most() -> None:
+    s = ScoreSmoother(half_life_s=3.0)
+    for t, v in enumerate([1.0] * 10 + [0.0] * 5):
+        value = s.update(v, now_s=float(t))
+    assert value < 0.5
+
+
+@given(
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.floats(0, 30),
+    st.floats(0, 30),
+)
+def test_smoothing_is_independent_of_tick_spacing(start: float, x: float, dt1: float, dt2: float) -> None:
+    one_step = ScoreSmoother(3.0)
+    one_step.update(start, 0.0)
+    two_steps = ScoreSmoother(3.0)
+    two_steps.update(start, 0.0)
+    two_steps.update(x, dt1)
+    assert two_steps.update(x, dt1 + dt2) == pytest.approx(one_step.update(x, dt1 + dt2), abs=1e-12)
+
+
+def test_clock_going_back_adds_no_weight() -> None:
+    s = ScoreSmoother(3.0)
+    s.update(0.2, now_s=10.0)
+    assert s.update(1.0, now_s=5.0) == 0.2
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ScoreWeights(gpu_util=-0.1),
+        lambda: ScoreWeights(0, 0, 0, 0, 0, 0),
+        lambda: ScoreWeights(gpu_util=float("nan")),
+        lambda: ScoreConfig(degraded_at=0.9, overloaded_at=0.9),
+        lambda: ScoreConfig(default_latency_target_ms=0),
+        lambda: ScoreConfig(latency_targets_ms={1: -5.0}),
+        lambda: ScoreConfig(memory_knee=1.0),
+        lambda: ScoreConfig(half_life_s=0),
+        lambda: ScoreConfig(error_ratio_ceiling=0),
+        lambda: ScoreConfig(in_flight_per_gpu=0),
+    ],
+)
+def test_bad_config_is_refused(make) -> None:
+    with pytest.raises(ValueError):
+        make()
