@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from daemon import config as config_mod
@@ -43,41 +44,41 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return asyncio.run(Agent(config).run())
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    body = _query(args, "/v1/status")
-    print(json.dumps(body, indent=2) if args.json else render.status(body))
-    return 0
+def _shows(path: str, renderer: Callable[[Any], str]) -> Callable[[argparse.Namespace], int]:
+    """A command that GETs `path` and prints the answer, as JSON or for a person."""
+
+    def command(args: argparse.Namespace) -> int:
+        body = _query(args, path)
+        print(json.dumps(body, indent=2) if args.json else renderer(body))
+        return 0
+
+    return command
 
 
-def cmd_dump(args: argparse.Namespace) -> int:
-    body = _query(args, "/v1/fingerprints")
-    print(json.dumps(body, indent=2) if args.json else render.fingerprints(body))
-    return 0
+def _posts(path: str, renderer: Callable[[Any], str]) -> Callable[[argparse.Namespace], int]:
+    def command(args: argparse.Namespace) -> int:
+        with Client(_socket_path(args)) as client:
+            body = client.post(path, {})
+        print(json.dumps(body) if args.json else renderer(body))
+        return 0
+
+    return command
 
 
-def cmd_snapshot(args: argparse.Namespace) -> int:
-    body = _query(args, "/v1/snapshot")
-    print(json.dumps(body, indent=2) if args.json else render.snapshot(body))
-    return 0
+def _drained(body: Any) -> str:
+    return ("draining: peers stop sending new requests" if body["draining"]
+            else "undrained: peers may send requests again")
 
 
-def _drain(args: argparse.Namespace, path: str) -> int:
-    with Client(_socket_path(args)) as client:
-        body = client.post(path, {})
-    if args.json:
-        print(json.dumps(body))
-    else:
-        print("draining: peers stop sending new requests" if body["draining"]
-              else "undrained: peers may send requests again")
-    return 0
-
-
-def cmd_drain(args: argparse.Namespace) -> int:
-    return _drain(args, "/v1/drain")
-
-
-def cmd_undrain(args: argparse.Namespace) -> int:
-    return _drain(args, "/v1/undrain")
+# name, help, what it runs: the operator commands that only read or flip agent state.
+CLIENT_COMMANDS: list[tuple[str, str, Callable[[argparse.Namespace], int]]] = [
+    ("status", "show the running agent's status", _shows("/v1/status", render.status)),
+    ("dump", "show the eBPF fingerprint maps, per model and flow",
+     _shows("/v1/fingerprints", render.fingerprints)),
+    ("snapshot", "show this node's current LoadSnapshot", _shows("/v1/snapshot", render.snapshot)),
+    ("drain", "stop peers from sending this node new requests", _posts("/v1/drain", _drained)),
+    ("undrain", "end a drain", _posts("/v1/undrain", _drained)),
+]
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
@@ -112,25 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="TOML configuration (default: the embedded defaults)")
     agent.set_defaults(func=cmd_agent)
 
-    status = commands.add_parser("status", help="show the running agent's status")
-    _client_options(status)
-    status.set_defaults(func=cmd_status)
-
-    dump = commands.add_parser("dump", help="show the eBPF fingerprint maps, per model and flow")
-    _client_options(dump)
-    dump.set_defaults(func=cmd_dump)
-
-    snapshot = commands.add_parser("snapshot", help="show this node's current LoadSnapshot")
-    _client_options(snapshot)
-    snapshot.set_defaults(func=cmd_snapshot)
-
-    drain = commands.add_parser("drain", help="stop peers from sending this node new requests")
-    _client_options(drain)
-    drain.set_defaults(func=cmd_drain)
-
-    undrain = commands.add_parser("undrain", help="end a drain")
-    _client_options(undrain)
-    undrain.set_defaults(func=cmd_undrain)
+    for name, help_text, func in CLIENT_COMMANDS:
+        command = commands.add_parser(name, help=help_text)
+        _client_options(command)
+        command.set_defaults(func=func)
 
     config = commands.add_parser("config", help="check a configuration file, show defaults")
     config_commands = config.add_subparsers(dest="config_command", required=True,
