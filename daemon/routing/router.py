@@ -1,0 +1,272 @@
+"""The routing decision: which peer should serve a request for model M (session S).
+
+    update(peers, now_ms)      when the membership table changes: rebuilds the per-model
+                               candidate sets (rings only when a model's peer set changes)
+    best(model, session, exclude, now_ms) -> Decision | NoCandidate
+    feedback(node_id, outcome, latency_ms, now_ms)   a client's report on a request
+
+The choice (docs/routing.md has the reasoning and the measurements):
+
+1. Candidates for M: alive, serving M, not draining, with an endpoint (candidates.py);
+   per request, not excluded and circuit not open.
+2. Tiers: peers with a fresh snapshot below the overload watermark; failing those, peers
+   with a stale one; failing those, overloaded peers. Only the first non-empty tier is used.
+3. With a session: the session's peer on the consistent-hash ring, walking clockwise past
+   peers that are unusable or over their bounded load.
+4. Otherwise (or when no ring peer can take it): d peers drawn with probability
+   proportional to their effective capacity (healthy GPUs, times degraded_weight when
+   degraded, times the slow-start ramp), and the one with the lowest cost wins:
+
+       cost = (load + 1) * service time / effective capacity
+
+   load is the snapshot's in-flight count corrected by this node's own sends and
+   completions since the snapshot was taken, scaled to the fleet (p2c.OwnShare); the
+   service time is the low envelope of the model's P50 on that peer, so a queued request
+   on a slow peer weighs more than one on a fast peer.
+
+A Router is not thread-safe: the agent calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from daemon.routing.candidates import (
+    Candidate,
+    ModelCandidates,
+    PeerInput,
+    PeerState,
+    RoutingConfig,
+    build,
+    static_model_ids,
+)
+from daemon.routing.p2c import OwnShare, draw_exact, order
+from daemon.routing.ring import HashRing, within_bound
+from gossip.snapshot import State
+from probes.model_id import model_id
+
+Outcome = Literal["ok", "error", "timeout"]
+OUTCOMES: frozenset[str] = frozenset({"ok", "error", "timeout"})
+
+# Draws per wanted candidate before the fast path gives up and filters exactly.
+_TRIES_PER_PICK = 8
+# Bounds the name -> model_id cache against clients sending arbitrary names.
+_MAX_CACHED_NAMES = 4096
+
+_ALL = {
+    "dead": "all dead",
+    "draining": "all draining",
+    "no endpoint": "no endpoint",
+    "excluded": "all excluded",
+    "circuit open": "all circuits open",
+}
+_Usable = Callable[[Candidate], bool]
+_TIER_REASONS = ("power of two choices", "stale view: no candidate has a fresh snapshot",
+                 "all candidates overloaded")
+
+
+@dataclass(frozen=True)
+class Alternative:
+    node_id: str
+    endpoint: str
+    score: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    node_id: str
+    endpoint: str            # host:port to send the request to
+    score: float             # the peer's score in the snapshot used
+    age_ms: int              # how old that snapshot is
+    reason: str
+    alternatives: tuple[Alternative, ...]  # next choices, best first, for retries
+
+
+@dataclass(frozen=True)
+class NoCandidate:
+    model: str
+    # "unknown model", "all dead", "all draining", "no endpoint", "all excluded",
+    # "all circuits open", or "no usable peer" when causes are mixed (see counts).
+    reason: str
+    counts: Mapping[str, int]  # peers serving the model, by why each is unusable
+
+
+class Router:
+    def __init__(self, config: RoutingConfig | None = None) -> None:
+        self.config = config or RoutingConfig()
+        c = self.config
+        self._rng = random.Random(c.seed)
+        self._freshness_ms = round(c.freshness_s * 1000)
+        self._ramp_ms = round(c.slow_start_s * 1000)
+        # Drawn per request: the d choices, and more when the alternatives need them.
+        self._draw = max(c.choices, 1 + c.alternatives)
+        self._static_ids = static_model_ids(c)
+        self._peers: dict[str, PeerState] = {}
+        self._models: dict[int, ModelCandidates] = {}
+        self._rings: dict[int, HashRing] = {}
+        self._ids: dict[str, int] = {}
+        self._share = OwnShare(round(c.own_share_half_life_s * 1000), c.own_share_cap)
+        self._fleet_rps = 0.0
+
+    def update(self, peers: Sequence[PeerInput], now_ms: int) -> None:
+        rows = {row.node_id: row for row in peers}
+        for gone in self._peers.keys() - rows.keys():
+            del self._peers[gone]
+        for node_id, row in rows.items():
+            peer = self._peers.get(node_id)
+            if peer is None:
+                self._peers[node_id] = PeerState(row, now_ms, self.config)
+            else:
+                peer.refresh(row, now_ms, self.config)
+        self._models = build(list(self._peers.values()), self.config, self._static_ids)
+        self._fleet_rps = sum(m.rps for p in self._peers.values() if p.alive for m in p.snapshot.models)
+        # A ring stays valid while its model's candidate set is the same: a peer that
+        # turns overloaded or opens its circuit is skipped per request instead.
+        self._rings = {mid: ring for mid, ring in self._rings.items()
+                       if mid in self._models and ring.nodes == frozenset(self._models[mid].by_node)}
+
+    def best(self, model: str, session: str | None, exclude: Collection[str],
+             now_ms: int) -> Decision | NoCandidate:
+        entry = self._models.get(self._model_id(model))
+        if entry is None:
+            return NoCandidate(model, "unknown model", {})
+        excluded = exclude if isinstance(exclude, (set, frozenset)) else frozenset(exclude)
+        share = self._share.multiplier(self._fleet_rps, now_ms)
+
+        def usable(c: Candidate) -> bool:
+            p = c.peer
+            return (not p.overloaded and p.node_id not in excluded
+                    and p.fresh(now_ms, self._freshness_ms) and p.breaker.allows(now_ms))
+
+        if session is not None and entry.candidates:
+            by_ring = self._by_session(entry, session, usable, share, now_ms)
+            if by_ring is not None:
+                return self._decide(*by_ring, now_ms)
+
+        def accept(c: Candidate) -> bool:
+            if not usable(c):
+                return False
+            # Slow start on the fast path: a ramping peer is kept with probability equal
+            # to its ramp, which scales its sampling weight by it.
+            ramp = c.peer.ramp(now_ms, self._ramp_ms, self.config.slow_start_floor)
+            return ramp >= 1.0 or self._rng.random() < ramp
+
+        drawn = entry.table.draw(self._rng, self._draw, accept, self._draw * _TRIES_PER_PICK)
+        reason = _TIER_REASONS[0]
+        if drawn is None:
+            drawn, reason = self._draw_filtered(entry, excluded, now_ms)
+            if not drawn:
+                return self._nothing(model, entry, excluded)
+        return self._decide(order(drawn, self.config.choices, lambda c: self._cost(c, share, now_ms)),
+                            reason, now_ms)
+
+    def feedback(self, node_id: str, outcome: Outcome, latency_ms: float, now_ms: int) -> bool:
+        """Records a client's outcome; False when the peer is not in the table.
+
+        The outcome feeds the peer's circuit and, as a completion, the in-flight
+        correction. latency_ms is checked but does not steer: a peer's pace comes from
+        its snapshot's P50, measured on all its traffic rather than this node's share."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, not {outcome!r}")
+        if not (math.isfinite(latency_ms) and latency_ms >= 0):
+            raise ValueError(f"latency_ms must be a non-negative number, not {latency_ms!r}")
+        peer = self._peers.get(node_id)
+        if peer is None:
+            return False
+        peer.dones.append(now_ms)
+        peer.breaker.record(outcome != "ok", now_ms)
+        return True
+
+    def _model_id(self, name: str) -> int:
+        mid = self._ids.get(name)
+        if mid is None:
+            if len(self._ids) >= _MAX_CACHED_NAMES:
+                self._ids.clear()
+            mid = self._ids[name] = model_id(name)
+        return mid
+
+    def _effective_capacity(self, c: Candidate, now_ms: int) -> float:
+        return c.weight * c.peer.ramp(now_ms, self._ramp_ms, self.config.slow_start_floor)
+
+    def _cost(self, c: Candidate, share: float, now_ms: int) -> float:
+        return (c.peer.load(share) + 1) * c.service_ms / self._effective_capacity(c, now_ms)
+
+    def _by_session(self, entry: ModelCandidates, session: str, usable: _Usable, share: float,
+                    now_ms: int) -> tuple[list[Candidate], str] | None:
+        ring = self._rings.get(entry.model_id)
+        if ring is None:
+            ring = self._rings[entry.model_id] = HashRing(entry.by_node, self.config.vnodes)
+        total_load = sum(c.peer.load(share) for c in entry.candidates)
+        total_capacity = sum(c.weight for c in entry.candidates)
+        chosen: Candidate | None = None
+        moved = False
+        alternatives: list[Candidate] = []
+        for node_id in ring.walk(session):
+            c = entry.by_node[node_id]
+            if chosen is None:
+                if usable(c) and within_bound(c.peer.load(share), self._effective_capacity(c, now_ms),
+                                              total_load, total_capacity, self.config.epsilon):
+                    chosen = c
+                else:
+                    moved = True
+            elif usable(c):
+                alternatives.append(c)
+                if len(alternatives) == self.config.alternatives:
+                    break
+        if chosen is None:
+            return None
+        return [chosen, *alternatives], "session moved along the ring" if moved else "session"
+
+    def _draw_filtered(self, entry: ModelCandidates, excluded: Collection[str],
+                       now_ms: int) -> tuple[list[Candidate], str]:
+        tiers: tuple[list[Candidate], ...] = ([], [], [])
+        for c in entry.candidates:
+            p = c.peer
+            if p.node_id in excluded or not p.breaker.allows(now_ms):
+                continue
+            tiers[2 if p.overloaded else 0 if p.fresh(now_ms, self._freshness_ms) else 1].append(c)
+        for tier, reason in zip(tiers, _TIER_REASONS, strict=True):
+            if tier:
+                weights = [self._effective_capacity(c, now_ms) for c in tier]
+                return draw_exact(self._rng, tier, weights, self._draw), reason
+        return [], ""
+
+    def _decide(self, ordered: list[Candidate], reason: str, now_ms: int) -> Decision:
+        winner = ordered[0]
+        peer = winner.peer
+        peer.sends.append(now_ms)
+        self._share.sent(now_ms)
+        # Own traffic older than a fresh snapshot can be is no longer worth correcting
+        # for; dropping it bounds the queues of a peer whose snapshots stopped coming.
+        peer.forget_before(now_ms - self._freshness_ms)
+        peer.breaker.claim(now_ms)
+        return Decision(
+            node_id=peer.node_id,
+            endpoint=winner.endpoint,
+            score=peer.snapshot.score,
+            age_ms=now_ms - peer.taken_ms,
+            reason=reason,
+            alternatives=tuple(Alternative(c.peer.node_id, c.endpoint, c.peer.snapshot.score)
+                               for c in ordered[1:1 + self.config.alternatives]),
+        )
+
+    def _nothing(self, model: str, entry: ModelCandidates, excluded: Collection[str]) -> NoCandidate:
+        counts: Counter[str] = Counter()
+        for p in entry.known:
+            if not p.alive:
+                counts["dead"] += 1
+            elif p.snapshot.state is State.DRAINING:
+                counts["draining"] += 1
+            elif not p.snapshot.endpoints:
+                counts["no endpoint"] += 1
+            elif p.node_id in excluded:
+                counts["excluded"] += 1
+            else:
+                counts["circuit open"] += 1
+        reason = _ALL[next(iter(counts))] if len(counts) == 1 else "no usable peer"
+        return NoCandidate(model, reason, dict(counts))

@@ -1,0 +1,362 @@
+"""The routing decision: candidates, d choices, in-flight correction, sessions, slow
+start, circuits, answers without a candidate."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.routing import Decision, NoCandidate, PeerInput, Router, RoutingConfig
+from daemon.routing.p2c import OwnShare
+from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
+from probes.model_id import model_id
+
+MODEL = "llama-3-8b"
+NOW = 1_000_000
+
+
+def snapshot(node: str, *, score: float = 0.3, state: State = State.OK, in_flight: int = 0,
+             p50_ms: float = 100.0, gpus: int = 1, models: tuple[str, ...] = (MODEL,),
+             error_ratio: float = 0.0, rps: float = 10.0, port: int = 8000,
+             endpoints: tuple[Endpoint, ...] | None = None, version: int = 1) -> LoadSnapshot:
+    return LoadSnapshot(
+        node_id=node,
+        endpoints=endpoints if endpoints is not None else (Endpoint(f"{node}.lan", 9000),),
+        version=version, timestamp_ms=NOW, state=state, score=score,
+        host=HostLoad(0.1, 1000, 4000, 0.5, None),
+        gpus=tuple(GpuLoad(i, 50, 1, 2, 50, 100, 300, 0, 1, True) for i in range(gpus)),
+        models=tuple(ModelLoad(model_id(m), port, rps, error_ratio, p50_ms, 2 * p50_ms, in_flight)
+                     for m in models),
+    )
+
+
+def row(node: str, *, alive: bool = True, age_ms: int = 500, since_ms: int | None = None,
+        **snap: object) -> PeerInput:
+    return PeerInput(node, snapshot(node, **snap), alive, age_ms, since_ms)  # type: ignore[arg-type]
+
+
+def router(rows: list[PeerInput], **config: object) -> Router:
+    # own_share_cap=1: this node's sends count once, so the tests can count them.
+    r = Router(RoutingConfig(**{"seed": 7, "own_share_cap": 1.0, **config}))  # type: ignore[arg-type]
+    r.update(rows, NOW)
+    return r
+
+
+def picks(r: Router, n: int, *, session: str | None = None, exclude: tuple[str, ...] = (),
+          complete: bool = True, now: int = NOW) -> Counter[str]:
+    """n decisions; with complete, each request finishes (feedback ok) before the next,
+    so the load figures stay those of the snapshots."""
+    counts: Counter[str] = Counter()
+    for _ in range(n):
+        d = r.best(MODEL, session, exclude, now)
+        assert isinstance(d, Decision), d
+        counts[d.node_id] += 1
+        if complete:
+            r.feedback(d.node_id, "ok", 10.0, now)
+    return counts
+
+
+def open_circuit(r: Router, node: str, now: int = NOW) -> None:
+    for _ in range(3):
+        r.feedback(node, "error", 5.0, now)
+
+
+# --- candidates -----------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+                min_size=1, max_size=12))
+def test_never_picks_dead_draining_open_or_excluded(flags: list[tuple[bool, bool, bool, bool]]) -> None:
+    rows = [row(f"n{i}", alive=alive, state=State.DRAINING if draining else State.OK)
+            for i, (alive, draining, _, _) in enumerate(flags)]
+    r = router(rows)
+    for i, (_, _, is_open, _) in enumerate(flags):
+        if is_open:
+            open_circuit(r, f"n{i}")
+    excluded = tuple(f"n{i}" for i, f in enumerate(flags) if f[3])
+    usable = {f"n{i}" for i, (alive, draining, is_open, excl) in enumerate(flags)
+              if alive and not draining and not is_open and not excl}
+    for _ in range(30):
+        d = r.best(MODEL, None, excluded, NOW)
+        if not usable:
+            assert isinstance(d, NoCandidate)
+            break
+        assert isinstance(d, Decision) and d.node_id in usable
+        assert {a.node_id for a in d.alternatives} <= usable - {d.node_id}
+
+
+def test_overloaded_skipped_while_another_is_below() -> None:
+    # The overloaded peer is idle and the other busy: load alone would pick it.
+    r = router([row("hot", score=0.95, state=State.OVERLOADED), row("busy", score=0.6, in_flight=40)])
+    assert picks(r, 200) == {"busy": 200}
+    d = r.best(MODEL, None, ("busy",), NOW)
+    assert isinstance(d, Decision) and d.node_id == "hot" and d.reason == "all candidates overloaded"
+
+
+def test_overloaded_skipped_among_many() -> None:
+    # Enough candidates for the fast path (draws from the weight table) to find some.
+    rows = [row("hot", score=0.95, state=State.OVERLOADED)] + [row(f"b{i}", in_flight=40) for i in range(6)]
+    counts = picks(router(rows), 500)
+    assert "hot" not in counts and sum(counts.values()) == 500
+
+
+def test_score_at_watermark_counts_as_overloaded_whatever_the_state() -> None:
+    r = router([row("a", score=0.9), row("b", score=0.5, in_flight=40)])
+    assert picks(r, 100) == {"b": 100}
+
+
+def test_degraded_peers_get_less_traffic() -> None:
+    rows = [row(f"ok{i}") for i in range(3)] + [row("deg", score=0.8, state=State.DEGRADED)]
+    counts = picks(router(rows), 4000)
+    assert counts["deg"] < 0.7 * min(counts[f"ok{i}"] for i in range(3))
+
+
+def test_error_ratio_above_threshold_counts_as_degraded() -> None:
+    rows = [row(f"ok{i}") for i in range(3)] + [row("errs", error_ratio=0.2)]
+    counts = picks(router(rows), 4000)
+    assert counts["errs"] < 0.7 * min(counts[f"ok{i}"] for i in range(3))
+
+
+def test_capacity_weighs_the_share() -> None:
+    # Same figures, but one host has four GPUs.
+    counts = picks(router([row("small", in_flight=4), row("big", in_flight=4, gpus=4)]), 1000)
+    assert counts["big"] > 0.9 * 1000
+
+
+def test_slow_peer_weighs_more_per_request() -> None:
+    # Equal in-flight counts; one peer takes 4x as long per request (its P50).
+    counts = picks(router([row("fast", in_flight=4, p50_ms=100),
+                           row("slow", in_flight=4, p50_ms=400)]), 500)
+    assert counts == {"fast": 500}
+
+
+def test_static_models_make_a_peer_a_candidate_before_any_traffic() -> None:
+    rows = [row("fresh", models=())]
+    assert isinstance(router(rows).best(MODEL, None, (), NOW), NoCandidate)
+    d = router(rows, static_models={"fresh": frozenset({MODEL})}).best(MODEL, None, (), NOW)
+    assert isinstance(d, Decision) and d.endpoint == "fresh.lan:9000"
+
+
+def test_endpoint_is_the_port_the_model_was_seen_on() -> None:
+    # "a" serves on 8001 at b.lan, where its model traffic was seen, and has another
+    # endpoint listed first; "b" has no endpoint on its model's port: its first host with
+    # that port (IPv6 in brackets).
+    r = router([PeerInput("a", snapshot("a", port=8001, endpoints=(Endpoint("a.lan", 9000),
+                                                                   Endpoint("b.lan", 8001))),
+                          True, 0, None),
+                PeerInput("b", snapshot("b", port=8002, endpoints=(Endpoint("fd00::2", 9000),)),
+                          True, 0, None)])
+    only_a, only_b = r.best(MODEL, None, ("b",), NOW), r.best(MODEL, None, ("a",), NOW)
+    assert isinstance(only_a, Decision) and isinstance(only_b, Decision)
+    assert (only_a.endpoint, only_b.endpoint) == ("b.lan:8001", "[fd00::2]:8002")
+
+
+def test_stale_snapshots_only_when_nothing_fresh() -> None:
+    r = router([row("old", age_ms=60_000), row("new", in_flight=50)])
+    assert picks(r, 100) == {"new": 100}
+    d = r.best(MODEL, None, ("new",), NOW)
+    assert isinstance(d, Decision) and d.node_id == "old" and d.reason.startswith("stale view")
+    assert d.age_ms == 60_000
+
+
+# --- the in-flight correction -----------------------------------------------------------
+
+def test_own_sends_since_the_snapshot_count_as_load() -> None:
+    # idle has 0 in flight, busy 10; both always drawn (two candidates, d = 2).
+    r = router([row("idle"), row("busy", in_flight=10)])
+    # Until 10 of its own are in flight there, idle is the better one; then they tie and
+    # alternate, each send making the other one better.
+    assert picks(r, 10, complete=False) == {"idle": 10}
+    assert picks(r, 40, complete=False) == {"idle": 20, "busy": 20}
+
+
+def test_completions_reported_back_lift_the_correction() -> None:
+    r = router([row("idle"), row("busy", in_flight=10)])
+    picks(r, 30, complete=False)
+    for _ in range(30):
+        r.feedback("idle", "ok", 5.0, NOW)
+    assert picks(r, 5, complete=False) == {"idle": 5}
+
+
+def test_a_new_snapshot_replaces_the_correction() -> None:
+    r = router([row("idle"), row("busy", in_flight=10)])
+    picks(r, 10, complete=False, now=NOW)
+    # idle's next snapshot, taken after those 10 sends, shows them: counted twice, idle
+    # would look twice as busy and get nothing in the next 10.
+    r.update([row("idle", in_flight=10, version=2, age_ms=0), row("busy", in_flight=10)], NOW + 100)
+    assert picks(r, 10, complete=False, now=NOW + 100) == {"idle": 5, "busy": 5}
+
+
+def test_own_sends_scaled_to_the_fleet() -> None:
+    # The peers' snapshots show 1000 requests per second; this node has sent none
+    # recently, so each of its sends stands for many of the fleet's (capped at 32).
+    rows = [row("a", rps=500), row("b", rps=500, in_flight=20)]
+    r = router(rows, own_share_cap=32.0)
+    assert [picks(r, 1, complete=False).most_common(1)[0][0] for _ in range(2)] == ["a", "b"]
+
+
+def test_own_share_follows_this_nodes_rate() -> None:
+    share = OwnShare(half_life_ms=10_000, cap=32.0)
+    assert share.multiplier(50.0, 0) == 32.0  # nothing sent yet: the cap
+    for t in range(0, 60_000, 100):  # 10 requests a second for a minute
+        share.sent(t)
+    assert share.multiplier(50.0, 60_000) == pytest.approx(5.0, rel=0.1)
+    assert share.multiplier(5.0, 60_000) == 1.0  # never below this node's own
+    assert share.multiplier(5000.0, 60_000) == 32.0
+    # Quiet for two half-lives: the rate estimate has fallen to a quarter.
+    assert share.multiplier(50.0, 80_000) == pytest.approx(20.0, rel=0.1)
+
+
+def test_at_the_fleets_own_rate_a_send_counts_once() -> None:
+    # The peers complete 10 requests a second between them, and this node has been
+    # sending them 10 a second: it is the whole fleet, its sends are all there is.
+    r = router([row("a", rps=5), row("b", rps=5, in_flight=3)], own_share_cap=32.0, freshness_s=3600.0)
+    for i in range(600):
+        picks(r, 1, now=NOW + 100 * i)
+    # a is idle, b has 3 in flight: a takes the next 3 (at 32 per send it would take 1).
+    assert picks(r, 3, complete=False, now=NOW + 60_000) == {"a": 3}
+
+
+# --- sessions -----------------------------------------------------------------------------
+
+SESSION_PEERS = [f"s{i}" for i in range(8)]
+
+
+def session_owners(r: Router, sessions: list[str]) -> dict[str, str]:
+    out = {}
+    for s in sessions:
+        d = r.best(MODEL, s, (), NOW)
+        assert isinstance(d, Decision)
+        out[s] = d.node_id
+        r.feedback(d.node_id, "ok", 1.0, NOW)
+    return out
+
+
+def test_session_sticks_to_its_peer() -> None:
+    r = router([row(p, in_flight=5) for p in SESSION_PEERS])
+    first = session_owners(r, [f"user-{i}" for i in range(200)])
+    assert session_owners(r, [f"user-{i}" for i in range(200)]) == first
+    assert len(set(first.values())) == len(SESSION_PEERS)
+    d = r.best(MODEL, "user-1", (), NOW)
+    assert isinstance(d, Decision) and d.reason == "session"
+
+
+def test_only_the_sessions_of_a_gone_or_overloaded_peer_move() -> None:
+    sessions = [f"user-{i}" for i in range(400)]
+    rows = [row(p, in_flight=5) for p in SESSION_PEERS]
+    before = session_owners(router(rows), sessions)
+    gone = router([x for x in rows if x.node_id != "s3"])
+    hot = router([row(p, in_flight=5, score=0.95 if p == "s3" else 0.3) for p in SESSION_PEERS])
+    for r in (gone, hot):
+        after = session_owners(r, sessions)
+        moved = {s for s in sessions if after[s] != before[s]}
+        assert moved == {s for s in sessions if before[s] == "s3"}
+    d = hot.best(MODEL, next(s for s in sessions if before[s] == "s3"), (), NOW)
+    assert isinstance(d, Decision) and d.reason == "session moved along the ring"
+
+
+def test_session_leaves_a_peer_over_its_bounded_load() -> None:
+    # s0 holds 200 requests, the other seven 5 each: far above (1 + eps) x average.
+    rows = [row(p, in_flight=200 if p == "s0" else 5) for p in SESSION_PEERS]
+    sessions = [f"user-{i}" for i in range(400)]
+    owners = session_owners(router(rows), sessions)
+    assert "s0" not in owners.values()
+    balanced = session_owners(router([row(p, in_flight=5) for p in SESSION_PEERS]), sessions)
+    assert {s for s in sessions if owners[s] != balanced[s]} == {s for s in sessions if balanced[s] == "s0"}
+
+
+# --- slow start ---------------------------------------------------------------------------
+
+def test_slow_start_ramps_a_new_peers_share() -> None:
+    joined = NOW - 1_000
+    # The new peer is idle, the others busy: without slow start it would win every time
+    # it is drawn, half of all requests.
+    rows = [row(f"old{i}", in_flight=8) for i in range(3)] + [row("new", since_ms=joined)]
+    r = router(rows, slow_start_s=30.0)
+    shares = [picks(r, 2000, now=joined + s * 1000)["new"] / 2000 for s in (1, 10, 20, 40)]
+    assert shares[0] < 0.05
+    assert shares[0] < shares[1] < shares[2] < shares[3]
+    assert shares[3] > 0.4
+
+
+# --- circuits -------------------------------------------------------------------------------
+
+def test_open_circuit_then_one_trial_then_closed() -> None:
+    r = router([row("flaky"), row("steady", in_flight=20)], breaker_cooldown_s=10.0)
+    open_circuit(r, "flaky")
+    assert picks(r, 50, now=NOW + 1) == {"steady": 50}
+    trial = r.best(MODEL, None, (), NOW + 10_000)
+    assert isinstance(trial, Decision) and trial.node_id == "flaky"
+    # While the trial is out, nothing else goes there.
+    assert picks(r, 20, complete=False, now=NOW + 10_001) == {"steady": 20}
+    r.feedback("flaky", "ok", 30.0, NOW + 10_100)
+    assert picks(r, 20, now=NOW + 10_200)["flaky"] > 0
+
+
+def test_failed_trial_keeps_the_circuit_open() -> None:
+    r = router([row("flaky"), row("steady", in_flight=20)], breaker_cooldown_s=10.0)
+    open_circuit(r, "flaky")
+    assert r.best(MODEL, None, (), NOW + 10_000).node_id == "flaky"  # type: ignore[union-attr]
+    r.feedback("flaky", "timeout", 30_000.0, NOW + 10_050)
+    assert picks(r, 50, now=NOW + 19_000) == {"steady": 50}
+
+
+def test_feedback_checks_its_input() -> None:
+    r = router([row("a")])
+    assert r.feedback("nobody", "ok", 1.0, NOW) is False
+    with pytest.raises(ValueError):
+        r.feedback("a", "maybe", 1.0, NOW)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        r.feedback("a", "ok", -1.0, NOW)
+
+
+# --- no candidate -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows, exclude, opened, reason", [
+    ([], (), (), "unknown model"),
+    ([row("a", models=("other-model",))], (), (), "unknown model"),
+    ([row("a", alive=False), row("b", alive=False)], (), (), "all dead"),
+    ([row("a", state=State.DRAINING)], (), (), "all draining"),
+    ([row("a", endpoints=())], (), (), "no endpoint"),
+    ([row("a"), row("b")], ("a", "b"), (), "all excluded"),
+    ([row("a"), row("b")], (), ("a", "b"), "all circuits open"),
+    ([row("a", alive=False), row("b")], (), ("b",), "no usable peer"),
+])
+def test_no_candidate_says_why(rows: list[PeerInput], exclude: tuple[str, ...],
+                               opened: tuple[str, ...], reason: str) -> None:
+    r = router(rows)
+    for node in opened:
+        open_circuit(r, node)
+    answer = r.best(MODEL, "some-session", exclude, NOW)
+    assert isinstance(answer, NoCandidate)
+    assert answer.reason == reason and answer.model == MODEL
+    if reason == "no usable peer":
+        assert answer.counts == {"dead": 1, "circuit open": 1}
+
+
+def test_alternatives_are_distinct_retry_targets() -> None:
+    r = router([row(f"n{i}", in_flight=i) for i in range(10)], alternatives=3)
+    for _ in range(100):
+        d = r.best(MODEL, None, (), NOW)
+        assert isinstance(d, Decision)
+        ids = [d.node_id, *(a.node_id for a in d.alternatives)]
+        assert len(ids) == 4 and len(set(ids)) == 4
+        r.feedback(d.node_id, "ok", 1.0, NOW)
+
+
+def test_decision_reports_the_snapshot_used() -> None:
+    d = router([row("a", score=0.42, age_ms=1500)]).best(MODEL, None, (), NOW + 200)
+    assert isinstance(d, Decision)
+    assert (d.node_id, d.endpoint, d.score, d.age_ms) == ("a", "a.lan:8000", 0.42, 1700)
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError):
+        RoutingConfig(vnodes=50)
+    with pytest.raises(ValueError):
+        RoutingConfig(degraded_at=0.95)
+    assert replace(RoutingConfig(), choices=3).choices == 3
