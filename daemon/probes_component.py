@@ -49,8 +49,10 @@ class ProbesComponent:
         except ImportError as exc:
             self._unavailable(f"cannot import the probes: {exc}")
             return
-        sizes = MapSizes()
-        probes = ProbeSet(self.config.interfaces, self.config.ports, sizes)
+        c = self.config
+        sizes = MapSizes(inflight=c.max_connections, fingerprints=c.max_fingerprints,
+                         histograms=c.max_histogram_buckets, models=c.max_models)
+        probes = ProbeSet(c.interfaces, c.ports, sizes, scan_limit=c.scan_limit)
         try:
             await asyncio.to_thread(probes.start)
         except ProbeUnavailable as exc:

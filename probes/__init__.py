@@ -1,1 +1,14 @@
-"""eBPF probes that fingerprint inference HTTP traffic, their loader and map reader."""
+"""eBPF probes that fingerprint inference HTTP traffic, and the reader of their maps.
+
+ProbeSet compiles and attaches the probes (ProbeUnavailable says why it cannot);
+FingerprintReader turns their maps into per-model figures and the fingerprint report;
+model_id.model_id(name) is the id the probes give a model. This package imports neither
+daemon nor gossip.
+"""
+
+from . import buckets
+from .loader import MapSizes, ProbeSet, ProbeUnavailable
+from .reader import FingerprintReader, ModelStats
+
+__all__ = ["FingerprintReader", "MapSizes", "ModelStats", "ProbeSet", "ProbeUnavailable",
+           "buckets"]

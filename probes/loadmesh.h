@@ -1,0 +1,130 @@
+/* Layouts and constants shared by the kernel probes (http.bpf.c) and user space.
+ *
+ * This header is the one source of truth: BCC compiles it with the probes and builds the
+ * ctypes of every map key and value from these structs, and probes/abi.py reads the LM_*
+ * #defines below (plain `#define NAME number` lines, one per line: keep them that way).
+ * Sizes that the agent configures (map entries, scan limit, histogram resolution) are not
+ * here: the loader passes them with -D, so changing them needs no edit of this file.
+ */
+#ifndef LOADMESH_H
+#define LOADMESH_H
+
+/* Segment bytes copied into per-CPU scratch for one parsing step. An inference client's
+ * request head (request line, host, auth token, content type and length) and a server's
+ * response head fit in it; a power of two lets the verifier bound masked offsets. */
+#define LM_WIN 512
+/* Bytes first copied for a head on a flow that has no hint from its previous head yet;
+ * copying costs about 0.3 ns a byte, so heads are copied to their end and little more. */
+#define LM_HEAD_WIN 256
+/* Body bytes copied beyond a request head for the model scan: clients that put "model"
+ * first in the JSON (most) need no second copy. */
+#define LM_BODY_PEEK 96
+/* Longest model name kept (and hashed). Real model ids ("meta-llama/Llama-3.1-70B-
+ * Instruct", paths to checkpoints) stay well under it; a longer value counts as no model. */
+#define LM_NAME_MAX 128
+/* Requests one connection may have outstanding with their own start time and model. HTTP/1
+ * pipelining clients rarely go past a few; beyond it requests are still counted once. */
+#define LM_PIPE_DEPTH 8
+/* Parsing steps (tail calls) per segment: each step handles one request or response head,
+ * a window of body scan, or a run of chunk headers. The kernel allows 33 tail calls per
+ * packet; the entry program uses one. */
+#define LM_MAX_STEPS 30
+/* Chunk-size lines followed in one step of a chunked (streaming) response. */
+#define LM_CHUNK_HOPS 16
+
+/* Indexes of the `errors` per-CPU array: what went wrong, counted, never silent. */
+#define LM_ERR_FP_FULL 0          /* fingerprints map full: a response was not recorded */
+#define LM_ERR_HIST_FULL 1        /* histograms map full: a latency sample was dropped */
+#define LM_ERR_MODELS_FULL 2      /* models map full: a model's name is not shown */
+#define LM_ERR_SCAN_GAVE_UP 3     /* scan limit reached without a "model" key */
+#define LM_ERR_MODEL_TOO_LONG 4   /* "model" value longer than LM_NAME_MAX */
+#define LM_ERR_MODEL_CUT 5        /* "model" value split across two segments */
+#define LM_ERR_RESP_NO_REQ 6      /* response with no request waiting for it */
+#define LM_ERR_PIPE_OVERFLOW 7    /* request beyond LM_PIPE_DEPTH outstanding */
+#define LM_ERR_FRAMING_LOST 8     /* expected a head where the framing pointed, found none */
+#define LM_ERR_ABANDONED 9        /* connection closed with requests still unanswered */
+#define LM_ERR_STEPS_EXHAUSTED 10 /* segment needed more than LM_MAX_STEPS steps */
+#define LM_ERR_COUNT 11
+
+/* lm_flow_state.flags */
+#define LM_F_REQ_FRAMED 1    /* req_next is where the next request head starts */
+#define LM_F_AWAIT_MODEL 2   /* newest request's body is still being scanned for "model" */
+#define LM_F_RESP_SYNCED 4   /* resp_hwm is valid */
+#define LM_F_RESP_FRAMED 8   /* resp_next is where the next response head (or chunk) starts */
+#define LM_F_RESP_CHUNKED 16 /* resp_next points at a chunk-size line */
+#define LM_F_UPGRADED 32     /* 101 Switching Protocols: the connection left HTTP/1 */
+#define LM_F_FIN_CLIENT 64
+#define LM_F_FIN_SERVER 128
+
+/* A TCP connection as seen from the server: IPv4 addresses are stored IPv4-mapped
+ * (::ffff:a.b.c.d) so both families share one key. Ports in host byte order. */
+struct lm_flow {
+    __u8 client[16];
+    __u8 server[16];
+    __u16 client_port;
+    __u16 server_port;
+    __u8 proto;
+    __u8 pad[3];
+};
+
+struct lm_req {
+    __u64 start_ns; /* bpf_ktime_get_ns() at the segment holding the request's first byte */
+    __u64 model_id; /* FNV-1a 64 of the "model" value; 0 while unknown or absent */
+};
+
+/* Value of `inflight`. Sequence numbers are TCP sequence numbers of the payload. */
+struct lm_flow_state {
+    struct lm_req ring[LM_PIPE_DEPTH]; /* outstanding requests, oldest at head % depth */
+    __u64 overflow_ns;  /* start of the oldest request queued beyond the ring */
+    __u32 head;         /* free-running ring positions: tail - head = requests in ring */
+    __u32 tail;
+    __u32 overflow;     /* requests beyond the ring: answered after the ring drains */
+    __u32 req_hwm;      /* first request-direction byte not seen yet */
+    __u32 req_next;     /* where the next request head starts (LM_F_REQ_FRAMED) */
+    __u32 resp_hwm;     /* first response-direction byte not seen yet (LM_F_RESP_SYNCED) */
+    __u32 resp_next;    /* where the next response head or chunk line starts */
+    __u32 scan_left;    /* body bytes the newest request's model scan may still read */
+    __u16 flags;        /* LM_F_* */
+    __u8 head_mask;     /* ring slots holding HEAD requests: their responses have no body */
+    __u8 pad;
+    __u16 req_win;      /* bytes to copy for the next request head: the last head's length */
+    __u16 resp_win;     /* plus some slack, so a keep-alive flow copies little beyond it */
+};
+
+struct lm_fp_key {
+    struct lm_flow flow;
+    __u64 model_id;
+    __u16 status;
+    __u8 pad[6];
+};
+
+struct lm_fp_val {
+    __u64 count;
+    __u64 lat_sum_ns;
+    __u64 lat_max_ns;
+    __u64 last_ns; /* bpf_ktime_get_ns() of the last response (CLOCK_MONOTONIC) */
+};
+
+struct lm_hist_key {
+    __u64 model_id;
+    __u16 status;
+    __u16 bucket; /* log-linear bucket of the latency in ns, see probes/buckets.py */
+    __u16 port;   /* serving port: one host may serve a model on several */
+    __u16 pad;
+};
+
+struct lm_model_name {
+    __u32 len;
+    char name[LM_NAME_MAX];
+};
+
+/* Per serving port, from tracepoints (all network namespaces of the host). */
+struct lm_port_stats {
+    __u64 conns_accepted;  /* SYN_RECV -> ESTABLISHED on a local server socket */
+    __u64 conns_opened;    /* SYN_SENT -> ESTABLISHED on a local client socket */
+    __u64 retransmits;
+    __u64 resets_sent;
+    __u64 resets_received;
+};
+
+#endif

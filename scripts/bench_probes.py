@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""Cost of the loadmesh probes under real HTTP load, with and without them, in one run.
+
+nginx (Debian's nginx-light) answers OpenAI-style JSON POSTs inside a network namespace
+this script creates; wrk sends them (three models in turn) from the host side of a veth
+pair, so every request and response crosses the probed interface once.
+
+  (a) probe kernel time per request: run time of the probe programs from the kernel's BPF
+      statistics (kernel.bpf_stats_enabled=1; tail-called steps run inside their entry
+      program) over wrk's request count. Goal <= 1 us.
+  (b) requests/s with probes over without: one unbroken wrk run during which the probes
+      are detached and re-attached every few seconds (ProbeSet.pause/resume, no recompile);
+      the rate of each phase comes from the veth's packet counters, and the ratio is the
+      median of each "on" phase over the mean of the "off" phases around it, which cancels
+      the slow drifts of a shared machine. BPF statistics are off meanwhile. Goal >= 0.97.
+  (c) the probes' P99 (from their histograms, time to first byte on the wire) against
+      wrk's P99 (to the last byte, measured in wrk's event loop).
+
+Then the reader: wrk keeps 10,000 connections busy while an asyncio loop measures how
+late its 1 ms sleeps wake up, first without and then with the fingerprint reader polling
+every second in a worker thread (as the daemon runs it).
+
+Needs root, nginx and wrk (`bash scripts/setup.sh --bench`). All traffic stays inside the
+namespace and veth pair this script creates; both are removed on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
+
+from probes import FingerprintReader, MapSizes, ProbeSet, buckets  # noqa: E402
+from probes.model_id import model_id  # noqa: E402
+
+PORT = 8080
+MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3",
+          "Qwen/Qwen2.5-14B-Instruct")
+STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
+
+NGINX_CONF = """
+worker_processes 1;
+worker_rlimit_nofile 30000;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 20000; }}
+http {{
+    access_log off;
+    keepalive_requests 1000000;
+    keepalive_timeout 120s;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    server {{
+        listen {port} backlog=16384;
+        listen [::]:{port} backlog=16384;
+        default_type application/json;
+        location / {{
+            return 200 '{{"id":"chatcmpl-1","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"Paris."}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":23,"completion_tokens":2,"total_tokens":25}}}}';
+        }}
+    }}
+}}
+"""
+
+WRK_LUA = """
+local bodies = {{}}
+local models = {{ {models} }}
+for i, m in ipairs(models) do
+  bodies[i] = '{{"model": "' .. m .. '", "messages": [{{"role": "system", "content": "You are a helpful assistant."}}, {{"role": "user", "content": "What is the capital of France? Answer in one word."}}], "max_tokens": 128, "temperature": 0.2, "stream": false}}'
+end
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format("POST", "/v1/chat/completions",
+    {{["Content-Type"] = "application/json", ["Authorization"] = "Bearer sk-bench"}},
+    bodies[(n % #bodies) + 1])
+end
+"""
+
+
+def run_wrk(url: str, lua: Path, conns: int, seconds: float, threads: int = 1) -> dict:
+    out = subprocess.run(
+        ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds:.0f}s", "--timeout", "10s",
+         "--latency", "-s", str(lua), url],
+        check=True, capture_output=True, text=True).stdout
+    p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)\b", out)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    sock = re.search(r"Socket errors: (.*)", out)
+    return {
+        "requests": int(re.search(r"(\d+) requests in", out).group(1)),
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
+        "p99_ms": float(p99.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[p99.group(2)],
+        "non2xx": int(errors.group(1)) if errors else 0,
+        "socket_errors": sock.group(1).strip() if sock else "none",
+    }
+
+
+def packets(ifname: str) -> int:
+    stats = Path(f"/sys/class/net/{ifname}/statistics")
+    return int((stats / "tx_packets").read_text()) + int((stats / "rx_packets").read_text())
+
+
+def ratio_phase(probes: ProbeSet, ifname: str, url: str, lua: Path, conns: int,
+                phases: int, phase_s: float) -> dict:
+    """(b): probes off and on in alternate phases of one wrk run."""
+    result: dict = {}
+    wrk = threading.Thread(target=lambda: result.update(
+        run_wrk(url, lua, conns, phases * phase_s + 3)))
+    wrk.start()
+    time.sleep(1.5)  # wrk connected and warm
+    rates: list[tuple[bool, float]] = []
+    try:
+        for i in range(phases):
+            on = i % 2 == 1
+            probes.resume() if on else probes.pause()
+            time.sleep(0.2)  # leave the switch itself out of the phase
+            p0, t0 = packets(ifname), time.perf_counter()
+            time.sleep(phase_s - 0.2)
+            rates.append((on, (packets(ifname) - p0) / (time.perf_counter() - t0)))
+    finally:
+        probes.resume()
+        wrk.join()
+    pairs = [rates[i][1] / ((rates[i - 1][1] + rates[i + 1][1]) / 2)
+             for i in range(1, len(rates) - 1) if rates[i][0]]
+    return {"ratio": statistics.median(pairs), "pairs": pairs,
+            "on": [r for on, r in rates if on], "off": [r for on, r in rates if not on],
+            "wrk": result}
+
+
+def probe_p99_ms(before: dict, after: dict) -> float | None:
+    ids = {model_id(m) for m in MODELS}
+    delta: dict[int, int] = {}
+    for key, n in after.items():
+        mid, _port, _status, bucket = key
+        d = n - before.get(key, 0)
+        if mid in ids and d:
+            delta[bucket] = delta.get(bucket, 0) + d
+    p = buckets.percentile(delta, 0.99)
+    return None if p is None else p / 1e6
+
+
+def cost_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float) -> dict:
+    """(a) and (c): one wrk run with the probes attached and BPF statistics on."""
+    stats_before = STATS_SYSCTL.read_text().strip()
+    STATS_SYSCTL.write_text("1")
+    try:
+        snap0 = probes.read_maps()
+        s0 = probes.prog_stats()
+        res = run_wrk(url, lua, conns, seconds)
+        s1 = probes.prog_stats()
+        snap1 = probes.read_maps()
+    finally:
+        STATS_SYSCTL.write_text(stats_before)
+    run_ns = sum(s1[k][0] - s0.get(k, (0, 0))[0] for k in s1)
+    runs = sum(s1[k][1] - s0.get(k, (0, 0))[1] for k in s1 if k.startswith("lm_tc_"))
+    res["ns_per_req"] = run_ns / res["requests"]
+    res["ns_per_run"] = run_ns / max(runs, 1)
+    res["runs_per_req"] = runs / res["requests"]
+    res["probe_p99_ms"] = probe_p99_ms(snap0.histograms, snap1.histograms)
+    res["counted"] = sum(snap1.histograms.values()) - sum(snap0.histograms.values())
+    res["errors"] = {k: v - snap0.errors[k] for k, v in snap1.errors.items()
+                     if v > snap0.errors[k]}
+    return res
+
+
+def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float) -> dict:
+    """wrk keeps `conns` connections busy; an asyncio loop measures how late its 1 ms sleeps
+    wake up, the first half without the reader, the second half with it polling."""
+    reader = FingerprintReader(probes)
+    polls: list[float] = []
+    rows: list[int] = []
+    inflight: list[int] = []
+    stop = threading.Event()
+
+    def poller() -> None:
+        while not stop.wait(1.0):
+            t = time.perf_counter()
+            reader.poll(time.monotonic())
+            polls.append(time.perf_counter() - t)
+            report = reader.report()
+            rows.append(len(report["flows"]))
+            inflight.append(sum(m["inflight"] for m in report["models"]))
+
+    async def worst_delay(duration: float) -> float:
+        worst = 0.0
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - t - 0.001)
+            reader.report()
+        return worst
+
+    result: dict = {}
+    wrk = threading.Thread(target=lambda: result.update(
+        run_wrk(url, lua, conns, seconds * 2 + 4, threads=2)))
+    wrk.start()
+    time.sleep(3)  # connections opened
+    lag_without = asyncio.run(worst_delay(seconds))
+    thread = threading.Thread(target=poller)
+    thread.start()
+    lag_with = asyncio.run(worst_delay(seconds))
+    stop.set()
+    thread.join()
+    wrk.join()
+    return {"polls": sorted(polls), "rows": max(rows, default=0), "lag_without": lag_without,
+            "lag_with": lag_with, "wrk": result, "inflight": max(inflight, default=0)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conns", type=int, default=32, help="wrk connections (a, b, c)")
+    ap.add_argument("--phases", type=int, default=41, help="on/off phases for (b)")
+    ap.add_argument("--phase-seconds", type=float, default=2.0)
+    ap.add_argument("--seconds", type=float, default=10, help="wrk run for (a) and (c)")
+    ap.add_argument("--reader-conns", type=int, default=10000)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench_probes: run as root", file=sys.stderr)
+        return 2
+    for tool in ("nginx", "wrk"):
+        if shutil.which(tool) is None:
+            print(f"bench_probes: no {tool}: run `bash scripts/setup.sh --bench`",
+                  file=sys.stderr)
+            return 2
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    models = ", ".join(f"'{m}'" for m in MODELS)
+    # 10,000 connections x 3 models of fingerprint rows
+    sizes = MapSizes(inflight=32768, fingerprints=65536)
+    with tempfile.TemporaryDirectory(prefix="lm-bench-") as tmp, \
+            nettopo.veth_netns("lmk") as topo:
+        d = Path(tmp)
+        (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, port=PORT))
+        lua = d / "post.lua"
+        lua.write_text(WRK_LUA.format(models=models))
+        url = f"http://{topo.ns_v4}:{PORT}/v1/chat/completions"
+        topo.ns.run(["sysctl", "-qw", "net.core.somaxconn=16384",
+                     "net.ipv4.tcp_max_syn_backlog=16384"])
+        with topo.ns.popen(["nginx", "-c", str(d / "nginx.conf"), "-g", "daemon off;"]):
+            time.sleep(1)
+            run_wrk(url, lua, args.conns, 2)  # warm-up
+            probes = ProbeSet([topo.host_if], [PORT], sizes)
+            t = time.perf_counter()
+            probes.start()
+            start_s = time.perf_counter() - t
+            try:
+                ratio = ratio_phase(probes, topo.host_if, url, lua, args.conns, args.phases,
+                                    args.phase_seconds)
+                cost = cost_phase(probes, url, lua, args.conns, args.seconds)
+                reader = reader_phase(probes, url, lua, args.reader_conns, args.seconds)
+            finally:
+                probes.stop()
+    print(f"loadmesh probe bench: nginx {PORT} in a netns, wrk -t1 -c{args.conns} over a "
+          f"veth, {os.cpu_count()} CPUs, kernel {os.uname().release}; probes compiled and "
+          f"attached in {start_s:.1f} s")
+    print(f"(a) probe kernel time per request: {cost['ns_per_req'] / 1000:.3f} us "
+          f"({cost['runs_per_req']:.2f} program runs per request, {cost['ns_per_run']:.0f} ns "
+          f"each; goal <= 1 us)")
+    q1, _, q3 = statistics.quantiles(ratio["pairs"], n=4)
+    print(f"(b) requests/s with/without probes: {ratio['ratio']:.3f} (median of "
+          f"{len(ratio['pairs'])} {args.phase_seconds:.0f} s on-phases, each against the "
+          f"off-phases around it; quartiles {q1:.3f}..{q3:.3f}; goal >= 0.97)")
+    print(f"(c) P99: probes {cost['probe_p99_ms']:.3f} ms (first byte, on the wire), wrk "
+          f"{cost['p99_ms']:.3f} ms (last byte, in wrk) at {cost['rps']:.0f} req/s; the probes "
+          f"counted {cost['counted']} responses, wrk {cost['requests']} (wrk leaves out the "
+          f"up to {args.conns} still in flight when it stops)")
+    polls = reader["polls"]
+    print(f"reader, {args.reader_conns} live connections at {reader['wrk'].get('rps', 0):.0f} "
+          f"req/s ({reader['rows']} flow rows, up to {reader['inflight']} requests in flight): "
+          f"poll median {statistics.median(polls) * 1e3:.0f} ms, max {polls[-1] * 1e3:.0f} ms "
+          f"({len(polls)} polls); worst asyncio delay {reader['lag_without'] * 1e3:.1f} ms "
+          f"without polling, {reader['lag_with'] * 1e3:.1f} ms with")
+    print(f"probe error counters during (a): {cost['errors'] or 'all zero'}; wrk socket "
+          f"errors: {cost['socket_errors']} (a), {reader['wrk'].get('socket_errors', '?')} "
+          f"(reader)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

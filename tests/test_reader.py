@@ -1,0 +1,234 @@
+"""FingerprintReader logic on fake map snapshots: deltas, window, ratios, percentiles,
+report format, flow expiry, snapshot consistency."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import pytest
+
+from probes import FingerprintReader, buckets
+from probes.model_id import model_id
+from probes.maps import FlowKey, MapSnapshot, PortStats, ip_bytes
+
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+QWEN = "Qwen/Qwen2.5-7B"
+L, Q = model_id(LLAMA), model_id(QWEN)
+MS = 1_000_000
+
+
+class FakeProbes:
+    """A MapSource whose maps the test sets directly."""
+
+    def __init__(self) -> None:
+        self.mono_ns = 10**12
+        self.hist: dict[tuple[int, int, int, int], int] = {}
+        self.flows: dict[FlowKey, tuple[int, int, int, int]] = {}
+        self.models = {L: LLAMA, Q: QWEN}
+        self.errors = {"fp_full": 0, "scan_gave_up": 0}
+        self.ports: dict[int, PortStats] = {}
+        self.inflight: dict[tuple[int, int], int] = {}
+        self.expired: list[FlowKey] = []
+
+    def add(self, model: int, status: int, latency_ms: float, n: int = 1,
+            port: int = 8000) -> None:
+        key = (model, port, status, buckets.index(int(latency_ms * MS)))
+        self.hist[key] = self.hist.get(key, 0) + n
+
+    def read_maps(self) -> MapSnapshot:
+        return MapSnapshot(mono_ns=self.mono_ns, flows=dict(self.flows),
+                           histograms=dict(self.hist), models=dict(self.models),
+                           errors=dict(self.errors), ports=dict(self.ports),
+                           inflight=dict(self.inflight))
+
+    def expire_flows(self, keys: list[FlowKey]) -> None:
+        self.expired.extend(keys)
+        for k in keys:
+            del self.flows[k]
+
+
+def model(report: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(m for m in report["models"] if m["model"] == name)
+
+
+@pytest.fixture
+def fake() -> FakeProbes:
+    return FakeProbes()
+
+
+def test_first_poll_counts_everything_since_the_probes_started(fake: FakeProbes) -> None:
+    fake.add(L, 200, 40, n=7)
+    fake.add(L, 503, 10, n=3)
+    r = FingerprintReader(fake)
+    r.poll(time.monotonic())
+    m = model(r.report(), LLAMA)
+    assert m["requests"] == 10
+    assert m["status"] == {"200": 7, "503": 3}
+
+
+def test_polls_turn_cumulative_counters_into_deltas(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake, window_s=10)
+    t = time.monotonic()
+    fake.add(L, 200, 40, n=5)
+    r.poll(t)
+    fake.add(L, 200, 40, n=20)
+    fake.add(L, 429, 1, n=5)
+    r.poll(t + 1)
+    (stats,) = r.model_stats()
+    assert stats.requests == 30
+    assert dict(stats.status) == {200: 25, 429: 5}
+    assert stats.ratio_429 == pytest.approx(5 / 30)
+    assert stats.error_ratio == 0
+
+
+def test_rates_and_ratios_cover_the_window_only(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake, window_s=10)
+    t0 = time.monotonic()
+    r.poll(t0)  # baseline: nothing yet
+    fake.add(L, 500, 30, n=50)  # errors, long ago
+    r.poll(t0 + 1)
+    for i in range(2, 30):
+        fake.add(L, 200, 30, n=10)
+        r.poll(t0 + i)
+    (stats,) = r.model_stats()
+    assert stats.requests == 50 + 28 * 10
+    assert stats.error_ratio == 0  # the 5xx interval left the window
+    assert stats.rps == pytest.approx(10.0, rel=0.01)
+    assert dict(stats.status)[500] == 50  # totals keep them
+
+
+def test_percentiles_come_from_the_window_histograms(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake, window_s=10)
+    t = time.monotonic()
+    r.poll(t)
+    for ms in range(1, 101):  # 1..100 ms, one each
+        fake.add(Q, 200, ms)
+    r.poll(t + 1)
+    m = model(r.report(), QWEN)
+    assert m["p50_ms"] == pytest.approx(50, rel=1 / 32)
+    assert m["p95_ms"] == pytest.approx(95, rel=1 / 32)
+    assert m["p99_ms"] == pytest.approx(99, rel=1 / 32)
+
+
+def test_no_responses_in_the_window_means_no_percentiles(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake, window_s=5)
+    t = time.monotonic()
+    fake.add(L, 200, 20)
+    r.poll(t)
+    r.poll(t + 10)
+    r.poll(t + 20)
+    m = model(r.report(), LLAMA)
+    assert m["p99_ms"] is None and m["rps"] == 0 and m["requests"] == 1
+    (stats,) = r.model_stats()
+    assert math.isnan(stats.p99_ms) and stats.rps == 0
+
+
+def test_a_model_on_two_ports(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake, window_s=10)
+    t = time.monotonic()
+    r.poll(t)
+    fake.add(L, 200, 10, n=90, port=8000)
+    fake.add(L, 503, 200, n=10, port=8001)
+    fake.inflight = {(L, 8000): 3, (L, 8001): 1}
+    r.poll(t + 1)
+    by_port = {m.port: m for m in r.model_stats()}
+    assert (by_port[8000].requests, by_port[8001].requests) == (90, 10)
+    assert (by_port[8000].error_ratio, by_port[8001].error_ratio) == (0, 1)
+    assert by_port[8001].p50_ms == pytest.approx(200, rel=1 / 32)
+    assert (by_port[8000].in_flight, by_port[8001].in_flight) == (3, 1)
+    row = model(r.report(), LLAMA)
+    assert row["ports"] == [8000, 8001] and row["inflight"] == 4
+    assert row["requests"] == 100 and row["status"] == {"200": 90, "503": 10}
+    assert row["error_ratio"] == pytest.approx(0.1)
+    assert row["p50_ms"] == pytest.approx(10, rel=1 / 32)  # both ports' latencies merged
+    assert row["p99_ms"] == pytest.approx(200, rel=1 / 32)
+    assert r.model_names()[L] == LLAMA
+
+
+def test_inflight_and_unnamed_models(fake: FakeProbes) -> None:
+    unknown = model_id("not-in-the-map")
+    fake.inflight = {(L, 8000): 4, (0, 8000): 2, (unknown, 8000): 1}
+    r = FingerprintReader(fake)
+    r.poll(time.monotonic())
+    report = r.report()
+    assert model(report, LLAMA)["inflight"] == 4
+    assert model(report, "-")["inflight"] == 2
+    assert model(report, f"#{unknown:016x}")["inflight"] == 1
+
+
+def test_counter_reset_counts_the_new_value(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake)
+    t = time.monotonic()
+    fake.add(L, 200, 5, n=10)
+    r.poll(t)
+    fake.hist = {}
+    fake.add(L, 200, 5, n=3)  # the entry was re-created from zero
+    r.poll(t + 1)
+    assert r.model_stats()[0].requests == 13
+
+
+def test_report_keys_and_json(fake: FakeProbes) -> None:
+    client, server = ip_bytes("10.0.0.1"), ip_bytes("fd00::2")
+    fake.flows = {
+        (client, 40000, ip_bytes("10.0.0.2"), 8000, L, 200): (4, 400 * MS, 150 * MS,
+                                                              fake.mono_ns),
+        (ip_bytes("fd00::1"), 40001, server, 8000, 0, 404): (1, 2 * MS, 2 * MS, fake.mono_ns),
+    }
+    fake.add(L, 200, 100, n=4)
+    fake.ports = {8000: PortStats(3, 0, 1, 0, 2)}
+    fake.errors["scan_gave_up"] = 2
+    r = FingerprintReader(fake)
+    r.poll(time.monotonic())
+    report = json.loads(json.dumps(r.report()))
+    m = model(report, LLAMA)
+    assert {"model", "requests", "status", "rps", "p50_ms", "p95_ms", "p99_ms",
+            "inflight"} <= set(m)
+    rows = {row["src"]: row for row in report["flows"]}
+    v4 = rows["10.0.0.1:40000"]
+    assert (v4["dst"], v4["model"], v4["status"], v4["count"]) == ("10.0.0.2:8000", LLAMA,
+                                                                  200, 4)
+    assert v4["mean_ms"] == pytest.approx(100) and v4["max_ms"] == pytest.approx(150)
+    v6 = rows["[fd00::1]:40001"]
+    assert (v6["dst"], v6["model"], v6["status"]) == ("[fd00::2]:8000", "-", 404)
+    assert report["errors"]["scan_gave_up"] == 2
+    assert report["tcp"]["8000"]["conns_accepted"] == 3
+    assert report["tcp"]["8000"]["resets_received"] == 2
+
+
+def test_idle_flows_are_expired_and_leave_the_report(fake: FakeProbes) -> None:
+    old = (ip_bytes("10.0.0.1"), 1, ip_bytes("10.0.0.2"), 80, L, 200)
+    new = (ip_bytes("10.0.0.1"), 2, ip_bytes("10.0.0.2"), 80, L, 200)
+    fake.flows = {old: (1, MS, MS, fake.mono_ns - 31 * 10**9),
+                  new: (1, MS, MS, fake.mono_ns - 1 * 10**9)}
+    r = FingerprintReader(fake, flow_idle_s=30)
+    r.poll(time.monotonic())
+    assert fake.expired == [old]
+    r.poll(time.monotonic())
+    assert [row["src"] for row in r.report()["flows"]] == ["10.0.0.1:2"]
+
+
+def test_report_is_an_immutable_snapshot_swapped_by_poll(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake)
+    t = time.monotonic()
+    fake.add(L, 200, 5, n=1)
+    r.poll(t)
+    before = r.report()
+    before_json = json.dumps(before, sort_keys=True)
+    fake.add(L, 200, 5, n=1)
+    r.poll(t + 1)
+    assert r.report() is not before
+    assert json.dumps(before, sort_keys=True) == before_json  # the old snapshot is intact
+    assert model(r.report(), LLAMA)["requests"] == 2
+
+
+def test_report_before_the_first_poll_is_empty_but_well_formed(fake: FakeProbes) -> None:
+    report = FingerprintReader(fake).report()
+    assert report["models"] == [] and report["flows"] == []
+
+
+def test_rejects_a_non_positive_window(fake: FakeProbes) -> None:
+    with pytest.raises(ValueError):
+        FingerprintReader(fake, window_s=0)
