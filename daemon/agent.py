@@ -16,8 +16,10 @@ from daemon.api_server import ApiServer, Router
 from daemon.config import Config
 from daemon.health import Component, State, StartupError
 from daemon.http import Request, Response
+from daemon.gossip_component import GossipComponent
 from daemon.gpu_component import GpuComponent
 from daemon.probes_component import ProbesComponent
+from daemon.routing_component import RoutingComponent, routing_config
 from daemon.snapshot_component import SnapshotComponent
 
 log = logs.get("agent")
@@ -39,8 +41,15 @@ class Agent:
         self.probes = ProbesComponent(config.probes, self.router)
         self.gpu = GpuComponent()
         self.snapshot = SnapshotComponent(config, self.probes, self.gpu, self.router)
+        self.gossip = GossipComponent(config.node_id, config.gossip, config.advertise or None,
+                                      self.snapshot, self.router)
+        self.routing = RoutingComponent(
+            config.node_id,
+            routing_config(config.routing, config.load.degraded_at, config.load.overloaded_at),
+            self.gossip, self.snapshot, self.router)
         self.components: list[Component] = [
-            ApiServer(config.api.socket, self.router), self.probes, self.gpu, self.snapshot]
+            ApiServer(config.api.socket, self.router), self.probes, self.gpu, self.snapshot,
+            self.gossip, self.routing]
         self._started_wall = time.time()
         self._started_mono = time.monotonic()
         self.router.add("GET", "/healthz", self._healthz)

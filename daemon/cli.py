@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daemon import config as config_mod
-from daemon import logs, render
+from daemon import cli_simulate, logs, render
 from daemon.client import AgentUnavailable, ApiError, Client
 
 # sysexits' EX_CONFIG: the unit file keeps systemd from restarting into the same bad file.
@@ -76,9 +76,27 @@ CLIENT_COMMANDS: list[tuple[str, str, Callable[[argparse.Namespace], int]]] = [
     ("dump", "show the eBPF fingerprint maps, per model and flow",
      _shows("/v1/fingerprints", render.fingerprints)),
     ("snapshot", "show this node's current LoadSnapshot", _shows("/v1/snapshot", render.snapshot)),
+    ("peers", "show the mesh as this node sees it", _shows("/v1/peers", render.peers)),
     ("drain", "stop peers from sending this node new requests", _posts("/v1/drain", _drained)),
     ("undrain", "end a drain", _posts("/v1/undrain", _drained)),
 ]
+
+
+def cmd_best(args: argparse.Namespace) -> int:
+    query = {"model": args.model}
+    if args.session:
+        query["session"] = args.session
+    if args.exclude:
+        query["exclude"] = args.exclude
+    with Client(_socket_path(args)) as client:
+        try:
+            body = client.get("/v1/best", **query)
+        except ApiError as exc:
+            if exc.status != 503:
+                raise
+            return _fail(exc.message)
+    print(json.dumps(body, indent=2) if args.json else render.best(body))
+    return 0
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
@@ -117,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text)
         _client_options(command)
         command.set_defaults(func=func)
+
+    best = commands.add_parser("best", help="ask which peer should serve a request for MODEL")
+    best.add_argument("model", metavar="MODEL", help='the JSON "model" of the request')
+    best.add_argument("--session", metavar="S", help="session key: stick to one peer")
+    best.add_argument("--exclude", metavar="IDS", help="comma-separated node ids to avoid")
+    _client_options(best)
+    best.set_defaults(func=cmd_best)
+
+    cli_simulate.add_parser(commands)
 
     config = commands.add_parser("config", help="check a configuration file, show defaults")
     config_commands = config.add_subparsers(dest="config_command", required=True,

@@ -35,8 +35,9 @@ class ConfigError(Exception):
         self.problem = problem
 
 
-def split_host_port(value: str) -> tuple[str, int]:
-    """Split "host:port" or "[v6]:port"; raises ValueError with a reason."""
+def split_host_port(value: str, allow_any_port: bool = False) -> tuple[str, int]:
+    """Split "host:port" or "[v6]:port"; raises ValueError with a reason. Port 0 ("any
+    free port") only with allow_any_port."""
     host, sep, port_text = value.rpartition(":")
     if not sep or not host:
         raise ValueError(f"expected host:port, got {value!r}")
@@ -44,8 +45,9 @@ def split_host_port(value: str) -> tuple[str, int]:
         host = host[1:-1]
     elif ":" in host:
         raise ValueError(f"an IPv6 address needs brackets: [{host}]:{port_text}")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"port must be 1..65535, got {port_text!r}")
+    low = 0 if allow_any_port else 1
+    if not port_text.isdigit() or not low <= int(port_text) < 65536:
+        raise ValueError(f"port must be {low}..65535, got {port_text!r}")
     return host, int(port_text)
 
 
@@ -57,10 +59,10 @@ def _host_port(value: str) -> str | None:
     return None
 
 
-def _ip_port(value: str) -> str | None:
+def _ip_port(value: str, allow_any_port: bool = False) -> str | None:
     """A listen address must be a literal IP: binding to a name would depend on DNS at boot."""
     try:
-        host, _ = split_host_port(value)
+        host, _ = split_host_port(value, allow_any_port)
         ipaddress.ip_address(host)
     except ValueError as exc:
         return str(exc)
@@ -73,6 +75,14 @@ def _seeds(values: tuple[str, ...]) -> str | None:
         if problem:
             return f"[{i}]: {problem}"
     return None
+
+
+def _ip_port_or_any(value: str) -> str | None:
+    return _ip_port(value, allow_any_port=True)
+
+
+def _optional_path(value: str) -> str | None:
+    return None if not value or os.path.isabs(value) else f"must be an absolute path, got {value!r}"
 
 
 def _ports(values: tuple[int, ...]) -> str | None:
@@ -153,14 +163,53 @@ class ProbesConfig:
     ports: tuple[int, ...] = _key((8000,), _ports, "TCP ports the inference servers listen on")
     required: bool = _key(False, doc="exit instead of running without probes")
     window_s: float = _key(10.0, _range(1, 300), "sliding window of the latency percentiles, s")
+    scan_limit: int = _key(1024, _between(64, 4096),
+                           'request body bytes searched for "model" (docs/probes.md)')
+    max_connections: int = _key(16384, _between(1, 1 << 22), "in-flight map: live connections")
+    max_fingerprints: int = _key(16384, _between(1, 1 << 22),
+                                 "fingerprints map: flow x model x status rows")
+    max_histogram_buckets: int = _key(8192, _between(1, 1 << 22),
+                                      "latency buckets in use, all models and ports")
+    max_models: int = _key(1024, _between(1, 1 << 22), "distinct model names kept")
 
 
 @dataclass(frozen=True)
 class GossipConfig:
-    bind: str = _key("0.0.0.0:7946", _ip_port, "UDP address the gossip listens on")
+    bind: str = _key("0.0.0.0:7946", _ip_port_or_any, "UDP address the gossip listens on "
+                     "(port 0: any free port)")
     seeds: tuple[str, ...] = _key((), _seeds, "host:port of peers to join through")
     interval_ms: int = _key(500, _between(10, 60_000), "gossip round period")
     fanout: int = _key(3, _between(1, 64), "peers contacted each round")
+    key_file: str = _key("", _optional_path, "HMAC keys, one per line, the first signs "
+                         "(empty: an open mesh)")
+    discovery: bool = _key(False, doc="find peers on the LAN by mDNS (_loadmesh._udp.local.)")
+    max_datagram: int = _key(1400, _between(512, 65_507), "largest datagram sent or accepted, "
+                             "the same on every node")
+    suspect_after_ms: int = _key(3000, _between(100, 3_600_000),
+                                 "a peer whose version stood still this long is suspect")
+    dead_after_ms: int = _key(4500, _between(200, 3_600_000), "... and dead (not routed to)")
+    reap_after_ms: int = _key(600_000, _between(1000, 86_400_000), "... and forgotten")
+    max_peers: int = _key(4096, _between(1, 1_000_000), "bound of the peer table")
+
+    def __post_init__(self) -> None:
+        if not self.suspect_after_ms < self.dead_after_ms < self.reap_after_ms:
+            raise ValueError("need suspect_after_ms < dead_after_ms < reap_after_ms")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    choices: int = _key(2, _between(1, 16), "d of the power of d choices")
+    alternatives: int = _key(2, _between(0, 16), "retry targets returned with each answer")
+    epsilon: float = _key(0.25, _range(0.01, 10), "bounded-load slack of session hashing")
+    vnodes: int = _key(160, _between(100, 10_000), "ring points per peer")
+    slow_start_s: float = _key(30.0, _range(0, 3600), "ramp of a joined or recovered peer")
+    breaker_failures: int = _key(3, _between(1, 1000), "consecutive failures that open a circuit")
+    breaker_cooldown_s: float = _key(10.0, _range(0, 3600), "open time before a trial request")
+    error_ratio_threshold: float = _key(0.05, _range(0, 1),
+                                        "a peer reporting more errors than this is degraded")
+    freshness_s: float = _key(15.0, _range(0.1, 3600), "older snapshots count as stale")
+    static_models: dict[str, tuple[str, ...]] = _key(
+        {}, None, "node_id -> models it serves before traffic shows them")
 
 
 @dataclass(frozen=True)
@@ -204,6 +253,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
 def _describe(value: Any) -> str:
@@ -325,4 +375,4 @@ def _toml_value(value: Any) -> str:
 
 
 __all__ = ["Config", "ConfigError", "ProbesConfig", "GossipConfig", "ApiConfig",
-           "MetricsConfig", "LoadConfig", "parse", "load", "split_host_port", "defaults_toml"]
+           "MetricsConfig", "LoadConfig", "RoutingConfig", "parse", "load", "split_host_port", "defaults_toml"]

@@ -91,3 +91,16 @@ def snapshot(body: Mapping[str, Any]) -> str:
     lines += ["", table(("MODEL", "PORT", "RPS", "ERROR_RATIO", "P50_MS", "P99_MS", "IN_FLIGHT"),
                         model_rows) if model_rows else "models     none seen yet"]
     return "\n".join(lines)
+
+
+def peers(body: Sequence[Mapping[str, Any]]) -> str:
+    rows = [(p["node_id"], p["state"], p["version"], p["age_ms"], p["addr"]) for p in body]
+    return table(("NODE", "STATE", "VERSION", "AGE_MS", "ADDR"), rows)
+
+
+def best(body: Mapping[str, Any]) -> str:
+    lines = [f"{body['node_id']}  {body['endpoint']}  score {body['score']:.4f}  "
+             f"snapshot {body['age_ms']} ms old  ({body['reason']})"]
+    lines += [f"  then {a['node_id']}  {a['endpoint']}  score {a['score']:.4f}"
+              for a in body["alternatives"]]
+    return "\n".join(lines)

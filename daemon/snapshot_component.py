@@ -40,7 +40,7 @@ def advertise_host(config: Config) -> str:
     """The host peers should send inference requests to."""
     if config.advertise:
         return config.advertise
-    bind_host, _ = split_host_port(config.gossip.bind)
+    bind_host, _ = split_host_port(config.gossip.bind, allow_any_port=True)
     if bind_host not in ("0.0.0.0", "::"):
         return bind_host
     # The first global address of an interface that is up: a host with one fabric NIC

@@ -88,12 +88,12 @@ def test_stale_socket_from_a_dead_agent_is_replaced(make_agent, run_dir: Path) -
 
 def test_bad_config_names_key_and_file_and_does_not_start(make_agent, run_dir: Path) -> None:
     sock = run_dir / "loadmesh.sock"
-    agent = make_agent(agent_config(sock, extra="[gossip]\nfanout = \"three\"\n")).start()
+    agent = make_agent(agent_config(sock, gossip='fanout = "three"')).start()
     assert agent.wait_exit() == EXIT_CONFIG
     assert f"{agent.config_path}: gossip.fanout: expected an integer, got a string" in agent.logs()
     assert not sock.exists()
 
-    unknown = make_agent(agent_config(sock, extra="[gossip]\nfanuot = 3\n")).start()
+    unknown = make_agent(agent_config(sock, gossip="fanuot = 3")).start()
     assert unknown.wait_exit() == EXIT_CONFIG
     assert f"{unknown.config_path}: gossip.fanuot: unknown key" in unknown.logs()
 

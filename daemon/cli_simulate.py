@@ -1,0 +1,48 @@
+"""`loadmesh simulate`: the simulators that run the real protocol and decision code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from typing import Any
+
+from daemon import render
+
+
+def _routing(args: argparse.Namespace) -> int:
+    from daemon.routing.simulator import SimConfig, simulate
+
+    config = SimConfig() if args.duration is None else replace(SimConfig(), duration_s=args.duration)
+    report = simulate(loads=args.loads, seed=args.seed, config=config)
+    print(json.dumps(report, indent=2) if args.json else _routing_table(report))
+    return 0
+
+
+def _routing_table(report: dict[str, Any]) -> str:
+    swing = {(h["policy"], h["load"]): h["swing_p95"] for h in report["herding"]}
+    rows = [(r["policy"], f"{r['load']:.2f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}",
+             f"{swing[(r['policy'], r['load'])]:.2f}") for r in report["results"]]
+    return render.table(("POLICY", "LOAD", "P50_MS", "P99_MS", "SWING_P95"), rows)
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 2:
+        raise argparse.ArgumentTypeError(f"a load is a fraction of capacity, like 0.85: {text}")
+    return value
+
+
+def add_parser(commands: Any) -> None:
+    simulate = commands.add_parser("simulate", help="run a simulator on the real code")
+    kinds = simulate.add_subparsers(dest="simulation", required=True, metavar="WHAT")
+
+    routing = kinds.add_parser(
+        "routing", help="routing quality on a simulated GPU fleet, against other policies")
+    routing.add_argument("--loads", type=_fraction, nargs="+", default=[0.7, 0.85, 0.95],
+                         metavar="LOAD", help="offered loads as fractions of capacity")
+    routing.add_argument("--seed", type=int, default=0)
+    routing.add_argument("--duration", type=float, metavar="S",
+                         help="simulated seconds per run (default: the simulator's)")
+    routing.add_argument("--json", action="store_true")
+    routing.set_defaults(func=_routing)

@@ -1,0 +1,101 @@
+"""The `gossip` component: this node's snapshots out to the mesh, the peers' in.
+
+A bind failure or a bad key file stops the agent: both are the operator's configuration,
+and an agent that silently ran outside the mesh (or in an open one, when a key was asked
+for) would route on a view nobody else shares.
+"""
+
+from __future__ import annotations
+
+from daemon import logs
+from daemon.api_server import Router
+from daemon.config import GossipConfig, split_host_port
+from daemon.health import OK, Health, StartupError
+from daemon.http import Request, Response
+from daemon.snapshot_component import SnapshotComponent
+from gossip.config import GossipParams
+from gossip.keyring import Keyring, load_keyring
+from gossip.protocol import PeerView, format_addr
+from gossip.transport import GossipService
+
+log = logs.get("gossip")
+
+
+def gossip_params(config: GossipConfig) -> GossipParams:
+    return GossipParams(
+        interval_ms=config.interval_ms,
+        fanout=config.fanout,
+        max_datagram=config.max_datagram,
+        suspect_after_ms=config.suspect_after_ms,
+        dead_after_ms=config.dead_after_ms,
+        reap_after_ms=config.reap_after_ms,
+        max_peers=config.max_peers,
+    )
+
+
+class GossipComponent:
+    name = "gossip"
+
+    def __init__(self, node_id: str, config: GossipConfig, advertise_host: str | None,
+                 snapshot: SnapshotComponent, router: Router) -> None:
+        """advertise_host: the operator's `advertise`, or None to let the service find
+        the address peers reach it at."""
+        self.node_id = node_id
+        self.config = config
+        self.snapshot = snapshot
+        self._advertise_host = advertise_host
+        self.service: GossipService | None = None
+        router.add("GET", "/v1/peers", self._peers)
+        router.add("GET", "/v1/gossip", self._stats)
+
+    def _keyring(self) -> Keyring | None:
+        if not self.config.key_file:
+            return None
+        try:
+            return load_keyring(self.config.key_file)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"gossip.key_file: {exc}") from None
+
+    async def start(self) -> None:
+        host, port = split_host_port(self.config.bind, allow_any_port=True)
+        try:
+            params = gossip_params(self.config)
+        except ValueError as exc:
+            raise StartupError(f"gossip: {exc}") from None
+        service = GossipService(
+            self.node_id, (host, port), self.config.seeds, params, self._keyring(),
+            discovery=self.config.discovery,
+            advertise=(self._advertise_host, port) if self._advertise_host and port else None)
+        try:
+            await service.start()
+        except OSError as exc:
+            raise StartupError(str(exc.strerror or exc)) from None
+        if port == 0 and host in ("0.0.0.0", "::"):
+            log.warning("gossip bound to any free port: peers can only find this node if "
+                        "it contacts them first")
+        self.service = service
+        current = self.snapshot.current
+        if current is not None:
+            service.publish(current, urgent=True)
+        self.snapshot.subscribe(service.publish)
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            await self.service.stop()
+            self.service = None
+
+    def health(self) -> Health:
+        return OK
+
+    def views(self) -> dict[str, PeerView]:
+        return {} if self.service is None else self.service.snapshots()
+
+    def _stats(self, _: Request) -> Response:
+        if self.service is None:
+            return Response.json({"address": None, "counters": {}})
+        host, port = self.service.address
+        return Response.json({"address": format_addr((host, port)),
+                              "counters": self.service.counters()})
+
+    def _peers(self, _: Request) -> Response:
+        return Response.json([] if self.service is None else self.service.peers())

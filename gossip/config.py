@@ -1,0 +1,118 @@
+"""Gossip parameters: every timer, size and bound of the mesh, with its default.
+
+The defaults were chosen with the simulator (scripts/bench_gossip.py, docs/gossip.md
+explains each choice with the figures). Timers are milliseconds of the monotonic clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class GossipParams:
+    # Rounds: every interval_ms (each period drawn in interval_ms * (1 +- jitter), so that
+    # nodes started together do not stay in step), to `fanout` random live peers.
+    interval_ms: int = 500
+    jitter: float = 0.1
+    fanout: int = 3
+    # Compound datagrams never exceed this; 1400 leaves room for IP/UDP headers and a
+    # tunnel under a 1500-byte MTU. Must be the same on every node: a receiver drops larger.
+    max_datagram: int = 1400
+    # A round datagram carries announcements, each sent at most
+    # retransmit_mult * ceil(log10(N + 1)) times by each node (memberlist's limit).
+    retransmit_mult: int = 2
+    # Beats (no new content, only liveness) go out beat_retransmit_mult * ceil(...)
+    # times: a missed beat is made up by the next one, a missed version is not.
+    beat_retransmit_mult: int = 2
+    # A round may send a peer several compound datagrams when the queue holds more than
+    # one: at 1000 nodes one datagram per peer cannot carry the announcements (docs).
+    max_datagrams_per_peer: int = 8
+    # A node whose own version did not move for this long announces a beat: the same
+    # version with a later timestamp. Beats are what failure detection hears.
+    beat_interval_ms: int = 1500
+    # Above scale_nodes nodes the beat interval grows with N / scale_nodes and the
+    # detection timers with sqrt(N / scale_nodes) (see beat_scale and timer_scale).
+    scale_nodes: int = 100
+    # Failure detection: measured from the local receive time of the last newer
+    # (version, timestamp), never from the peer's clock.
+    suspect_after_ms: int = 3000
+    dead_after_ms: int = 4500
+    reap_after_ms: int = 600_000
+    # A suspect is asked directly for a fresh beat this often until alive or dead.
+    probe_interval_ms: int = 400
+    # An urgent snapshot is relayed at once, on first receipt, to this many peers; at
+    # most urgent_relays_per_s of them (a burst of twice that), so that a fleet starting
+    # at once (every first snapshot is urgent) does not flood: beyond it, the rounds
+    # carry them.
+    urgent_fanout: int = 8
+    urgent_relays_per_s: float = 20.0
+    # A pull unanswered after pull_timeout_ms is sent again, up to pull_retries times.
+    pull_timeout_ms: int = 100
+    pull_retries: int = 2
+    # Full-state exchange with a random peer (memberlist's push-pull), scaled with the
+    # mesh like memberlist does above 32 nodes; and with a random dead peer, so that the
+    # two sides of a healed partition find each other again.
+    push_pull_interval_ms: int = 30_000
+    dead_sync_interval_ms: int = 10_000
+    join_retry_ms: int = 2_000
+    # Bounds on what peers can make this node hold or do.
+    max_peers: int = 4096
+    rate_per_source: float = 500.0
+    rate_burst: float = 1000.0
+    max_sources: int = 16_384
+    # A snapshot stamped further in the future than this (by the receiver's wall clock)
+    # is dropped: it would otherwise shadow its owner's real updates.
+    max_clock_skew_ms: int = 30_000
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{f.name}: expected a number, got {value!r}")
+            if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(f"{f.name}: must be a finite number >= 0, got {value!r}")
+        if not 0 <= self.jitter < 1:
+            raise ValueError(f"jitter: must be in [0, 1), got {self.jitter}")
+        # 13 bytes of header, 16 of tag, and room for at least one announcement.
+        if not 64 <= self.max_datagram <= 65_507:
+            raise ValueError(f"max_datagram: must be 64..65507, got {self.max_datagram}")
+        for name in ("interval_ms", "fanout", "retransmit_mult", "beat_retransmit_mult", "max_datagrams_per_peer",
+                     "beat_interval_ms", "scale_nodes", "suspect_after_ms", "pull_timeout_ms",
+                     "push_pull_interval_ms", "dead_sync_interval_ms", "join_retry_ms",
+                     "max_peers", "rate_per_source", "rate_burst", "max_sources", "urgent_relays_per_s",
+                     "probe_interval_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+        if not self.suspect_after_ms < self.dead_after_ms < self.reap_after_ms:
+            raise ValueError("timers: need suspect_after_ms < dead_after_ms < reap_after_ms")
+        if self.beat_interval_ms >= self.suspect_after_ms:
+            raise ValueError("beat_interval_ms must be shorter than suspect_after_ms")
+
+    def retransmit_limit(self, nodes: int, beat: bool = False) -> int:
+        """How many times a node sends one announcement: memberlist's
+        RetransmitMult * ceil(log10(N + 1))."""
+        mult = self.beat_retransmit_mult if beat else self.retransmit_mult
+        return mult * max(1, math.ceil(math.log10(nodes + 1)))
+
+    def beat_scale(self, nodes: int) -> float:
+        """The factor on beat_interval for a mesh of `nodes`.
+
+        Every node hears every node's beats: at a fixed interval the beat traffic per
+        node would grow with N. Growing the interval with N keeps it constant; in a big
+        mesh the versions themselves, and the beats that probes ask for, carry liveness.
+        """
+        return max(1.0, nodes / self.scale_nodes)
+
+    def timer_scale(self, nodes: int) -> float:
+        """The factor on suspect_after and dead_after for a mesh of `nodes`: the slower
+        beats and the longer tail of a bigger mesh need more time before a verdict
+        (x3.2 at 1000 nodes)."""
+        return max(1.0, math.sqrt(nodes / self.scale_nodes))
+
+    def push_pull_ms(self, nodes: int) -> int:
+        """memberlist's pushPullScale: the interval doubles each time N doubles past 32."""
+        if nodes <= 32:
+            return self.push_pull_interval_ms
+        return self.push_pull_interval_ms * (math.ceil(math.log2(nodes) - 5) + 1)

@@ -1,0 +1,274 @@
+"""Datagram framing: header, authentication tag, and the four message bodies.
+
+    offset  size
+    0       2    magic "LM"
+    2       1    protocol version (1)
+    3       1    kind: 1 gossip, 2 sync, 3 pull, 4 content
+    4       1    flags: 0x01 signed (a tag ends the datagram), 0x02 reply wanted (sync)
+    5       8    sender: the sender's node key (see node_key), big-endian
+    13      ...  body
+    end-16  16   HMAC-SHA256 of everything before it, truncated (only when signed)
+
+Bodies:
+
+- gossip and sync: announcements, 20 bytes each: node key u64, version u64, beat u32
+  (ms the owner has vouched for this version since publishing it). Gossip carries the
+  sender's recent changes; sync carries its whole table (chunked).
+- pull: wants, 16 bytes each: node key u64, the version the sender holds (0: none).
+- content: a msgpack array of records, each a msgpack array:
+  full  [0, flags, beat, gossip host, gossip port, encoded LoadSnapshot]
+  delta [1, flags, node key, base version, version, beat, crc32 of the result, changes]
+  where flags 0x01 marks an urgent version and `changes` is gossip/delta.py's encoding.
+
+Everything is checked before use; any violation raises WireError with a short reason
+that the protocol counts as a drop.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+
+import msgpack
+
+from gossip.keyring import TAG_BYTES, Keyring
+
+MAGIC = b"LM"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!2sBBBQ")
+ENTRY = struct.Struct("!QQI")
+WANT = struct.Struct("!QQ")
+FLAG_SIGNED = 0x01
+FLAG_REPLY = 0x02
+RECORD_URGENT = 0x01
+MAX_U64 = 2**64 - 1
+MAX_U32 = 2**32 - 1
+# A snapshot near its 8192-byte ceiling cannot fit a 1400-byte datagram; it travels alone
+# in a datagram up to this size and relies on IP fragmentation. Nothing else may be larger
+# than max_datagram.
+MAX_SINGLE_RECORD_DATAGRAM = 8192 + 256
+_MAX_HOST_BYTES = 253
+
+
+class Kind(IntEnum):
+    GOSSIP = 1
+    SYNC = 2
+    PULL = 3
+    CONTENT = 4
+
+
+class WireError(ValueError):
+    """Input to drop; `reason` names the counter it goes to."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def node_key(node_id: str) -> int:
+    """The 64-bit name of a node on the wire (BLAKE2b of its id).
+
+    Announcements name nodes by key so that each costs 20 bytes whatever the length of
+    the id. Two ids of one mesh collide with probability about N**2 / 2**65 (1e-13 at
+    1000 nodes); a collision is detected and counted when the second one's full record
+    arrives.
+    """
+    return int.from_bytes(hashlib.blake2b(node_id.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Datagram:
+    kind: Kind
+    flags: int
+    sender: int
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FullRecord:
+    flags: int
+    beat: int
+    addr: tuple[str, int]
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaRecord:
+    flags: int
+    key: int
+    base_version: int
+    version: int
+    beat: int
+    crc: int
+    changes: bytes
+
+
+Record = FullRecord | DeltaRecord
+
+
+def seal(kind: Kind, sender: int, body: bytes, keyring: Keyring | None, flags: int = 0) -> bytes:
+    if keyring is None:
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags & ~FLAG_SIGNED, sender) + body
+    data = HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags | FLAG_SIGNED, sender) + body
+    return data + keyring.sign(data)
+
+
+def open_datagram(data: bytes, keyring: Keyring | None, max_datagram: int) -> Datagram:
+    """The checked datagram in `data`, or WireError.
+
+    With a keyring, only datagrams signed by one of its keys pass. Without one, the mesh
+    is open: a tag is stripped unchecked, so a node without the key still hears a keyed
+    mesh (it cannot be heard by it).
+    """
+    size = len(data)
+    if size > MAX_SINGLE_RECORD_DATAGRAM:
+        raise WireError("oversized", f"{size} bytes")
+    if size < HEADER.size:
+        raise WireError("truncated", f"{size} bytes")
+    magic, version, kind, flags, sender = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise WireError("bad_magic")
+    if version != PROTOCOL_VERSION:
+        raise WireError("bad_version", f"protocol {version}")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise WireError("bad_kind", f"kind {kind}") from None
+    end = size
+    if flags & FLAG_SIGNED:
+        if size < HEADER.size + TAG_BYTES:
+            raise WireError("truncated", "no room for the tag")
+        end = size - TAG_BYTES
+        if keyring is not None and not keyring.verify(data[:end], data[end:]):
+            raise WireError("bad_signature")
+    elif keyring is not None:
+        raise WireError("unsigned")
+    if size > max_datagram and kind is not Kind.CONTENT:
+        raise WireError("oversized", f"{size} bytes of kind {kind.name}")
+    return Datagram(kind, flags, sender, bytes(data[HEADER.size:end]))
+
+
+# --- announcements and wants --------------------------------------------------------------
+
+def entry_capacity(max_datagram: int) -> int:
+    return (max_datagram - HEADER.size - TAG_BYTES) // ENTRY.size
+
+
+def want_capacity(max_datagram: int) -> int:
+    return (max_datagram - HEADER.size - TAG_BYTES) // WANT.size
+
+
+@functools.lru_cache(maxsize=256)
+def _entries_struct(n: int) -> struct.Struct:
+    return struct.Struct("!" + "QQI" * n)
+
+
+def pack_entries(entries: list[tuple[int, int, int]]) -> bytes:
+    # One C call for the whole datagram: this runs for every datagram of every round.
+    return _entries_struct(len(entries)).pack(*itertools.chain.from_iterable(entries))
+
+
+def unpack_entries(body: bytes) -> Iterator[tuple[int, int, int]]:
+    if len(body) % ENTRY.size:
+        raise WireError("malformed", f"announcements of {len(body)} bytes")
+    return ENTRY.iter_unpack(body)
+
+
+def pack_wants(wants: Iterable[tuple[int, int]]) -> bytes:
+    pack = WANT.pack
+    return b"".join(pack(k, v) for k, v in wants)
+
+
+def unpack_wants(body: bytes) -> Iterator[tuple[int, int]]:
+    if len(body) % WANT.size:
+        raise WireError("malformed", f"wants of {len(body)} bytes")
+    return WANT.iter_unpack(body)
+
+
+# --- content records ---------------------------------------------------------------------
+
+def pack_full(flags: int, beat: int, addr: tuple[str, int], content: bytes) -> bytes:
+    return msgpack.packb([0, flags, beat, addr[0], addr[1], content], use_bin_type=True)
+
+
+def pack_delta(flags: int, key: int, base_version: int, version: int, beat: int, crc: int,
+               changes: bytes) -> bytes:
+    return msgpack.packb([1, flags, key, base_version, version, beat, crc, changes], use_bin_type=True)
+
+
+def _array_header(n: int) -> bytes:
+    return bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+
+
+def pack_content(records: list[bytes], max_datagram: int) -> list[bytes]:
+    """Bodies of content datagrams holding `records` in order, each within max_datagram;
+    a record too large for any shares a body with nothing."""
+    budget = max_datagram - HEADER.size - TAG_BYTES - 3
+    bodies: list[bytes] = []
+    chunk: list[bytes] = []
+    used = 0
+    for rec in records:
+        if chunk and used + len(rec) > budget:
+            bodies.append(_array_header(len(chunk)) + b"".join(chunk))
+            chunk, used = [], 0
+        chunk.append(rec)
+        used += len(rec)
+    if chunk:
+        bodies.append(_array_header(len(chunk)) + b"".join(chunk))
+    return bodies
+
+
+def _uint(value: object, limit: int, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= limit:
+        raise WireError("malformed", f"{what}: {value!r}")
+    return value
+
+
+def _record(raw: object) -> Record:
+    if not isinstance(raw, list) or not raw:
+        raise WireError("malformed", "record is not an array")
+    tag = raw[0]
+    if tag == 0 and len(raw) == 6:
+        _, flags, beat, host, port, content = raw
+        if not isinstance(host, str) or not 0 < len(host.encode()) <= _MAX_HOST_BYTES:
+            raise WireError("malformed", "gossip host")
+        if not isinstance(content, bytes):
+            raise WireError("malformed", "snapshot is not bytes")
+        return FullRecord(_uint(flags, 255, "flags"), _uint(beat, MAX_U32, "beat"),
+                          (host, _uint(port, 65535, "port")), content)
+    if tag == 1 and len(raw) == 8:
+        _, flags, key, base, version, beat, crc, changes = raw
+        if not isinstance(changes, bytes):
+            raise WireError("malformed", "changes are not bytes")
+        record = DeltaRecord(_uint(flags, 255, "flags"), _uint(key, MAX_U64, "key"),
+                             _uint(base, MAX_U64, "base"), _uint(version, MAX_U64, "version"),
+                             _uint(beat, MAX_U32, "beat"), _uint(crc, MAX_U32, "crc"), changes)
+        if record.version <= record.base_version:
+            raise WireError("malformed", "delta does not move forward")
+        return record
+    raise WireError("malformed", f"unknown record {tag!r} of {len(raw)} fields")
+
+
+def unpack_content(body: bytes) -> tuple[list[Record], list[str]]:
+    """The valid records of a content body, and the drop reason of each invalid one.
+
+    A body that is not an array of arrays is malformed as a whole (WireError)."""
+    try:
+        raw = msgpack.unpackb(body, raw=False)
+    except (ValueError, TypeError) as e:  # msgpack reports malformed input as ValueError
+        raise WireError("malformed", f"content: {e}") from None
+    if not isinstance(raw, list):
+        raise WireError("malformed", "content is not an array")
+    records: list[Record] = []
+    bad: list[str] = []
+    for item in raw:
+        try:
+            records.append(_record(item))
+        except WireError as e:
+            bad.append(e.reason)
+    return records, bad

@@ -1,0 +1,210 @@
+"""The peer table, its merge and failure detection, and the small queues beside it."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossip.broadcasts import BroadcastQueue
+from gossip.membership import PeerState, PeerTable
+from gossip.pulls import PullTracker
+from gossip.ratelimit import SourceLimiter, TokenBucket
+from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from gossip.suspicion import Prober
+from gossip.wire import node_key
+
+ADDR = ("10.0.0.1", 7946)
+
+
+def snap(node: str, version: int, ts: int = 1000, score: float = 0.5) -> LoadSnapshot:
+    return LoadSnapshot(node_id=node, endpoints=(Endpoint("10.0.0.1", 8000),), version=version, timestamp_ms=ts,
+                        state=State.OK, score=score, host=HostLoad(0.1, 1, 2, 0.5, None), gpus=(), models=())
+
+
+def merge(table: PeerTable, s: LoadSnapshot, beat: int = 0, now: int = 0) -> object:
+    return table.merge_content(node_key(s.node_id), s, encode(s), beat, ADDR, False, now)
+
+
+# --- merge: order of arrival never changes the outcome --------------------------------------
+
+NODES = ["a", "b", "c"]
+# ("content", node, version, timestamp, score, beat) or ("key", node, version, beat)
+contents = st.tuples(st.just("content"), st.sampled_from(NODES), st.integers(1, 4), st.integers(0, 2),
+                     st.sampled_from([0.25, 0.5]), st.integers(0, 3))
+keys = st.tuples(st.just("key"), st.sampled_from(NODES), st.integers(1, 4), st.integers(0, 3))
+ops = st.lists(st.one_of(contents, keys), min_size=1, max_size=30)
+
+
+def apply(order: list[tuple], check_monotonic: bool = False) -> dict[str, tuple]:
+    table = PeerTable(max_peers=16)
+    now = 0
+    for op in order:
+        now += 1
+        before = {p.node_id: (p.version, p.beat, p.snapshot.version, p.snapshot.timestamp_ms, p.content)
+                  for p in table}
+        if op[0] == "content":
+            _, node, version, ts, score, beat = op
+            merge(table, snap(node, version, ts, score), beat, now)
+        else:
+            _, node, version, beat = op
+            peer = table.get(node_key(node))
+            if peer is not None:  # a key for an unknown node is a pull, not a merge
+                table.merge_key(peer, version, beat, now)
+        if check_monotonic:
+            for p in table:
+                if p.node_id in before:
+                    v, b, cv, ct, content = before[p.node_id]
+                    assert (p.version, p.beat) >= (v, b), "the key went back"
+                    assert (p.snapshot.version, p.snapshot.timestamp_ms, p.content) >= (cv, ct, content), \
+                        "the content went back"
+                assert p.snapshot.version <= p.version, "content ahead of the key"
+    return {p.node_id: (p.version, p.beat, p.content) for p in table}
+
+
+@settings(max_examples=300)
+@given(ops, st.randoms(use_true_random=False))
+def test_merge_outcome_does_not_depend_on_arrival_order(order: list[tuple], rnd: random.Random) -> None:
+    # Keys only merge into nodes the table holds, so every permutation starts with the
+    # same first content per node (what the node was learnt from); the rest is shuffled.
+    firsts = {}
+    for i, op in enumerate(order):
+        if op[0] == "content" and op[1] not in firsts:
+            firsts[op[1]] = i
+    head = [order[i] for i in sorted(firsts.values())]
+    tail = [op for i, op in enumerate(order) if i not in firsts.values()]
+    expected = apply(head + tail, check_monotonic=True)
+    for _ in range(3):
+        shuffled = tail[:]
+        rnd.shuffle(shuffled)
+        assert apply(head + shuffled, check_monotonic=True) == expected
+
+
+def test_merge_keeps_the_greatest_version_then_timestamp() -> None:
+    table = PeerTable(max_peers=4)
+    assert merge(table, snap("a", 5, ts=10)) is not None
+    assert merge(table, snap("a", 4, ts=99)) is None  # older version, newer clock: ignored
+    assert merge(table, snap("a", 5, ts=11)) is not None  # same version, later timestamp
+    peer = table.get(node_key("a"))
+    assert (peer.snapshot.version, peer.snapshot.timestamp_ms) == (5, 11)
+    assert peer.prev_version == 5
+
+
+def test_a_newer_key_is_news_an_equal_or_older_one_is_not() -> None:
+    table = PeerTable(max_peers=4)
+    merge(table, snap("a", 5), beat=100, now=0)
+    peer = table.get(node_key("a"))
+    assert not table.merge_key(peer, 5, 100, 50)
+    assert not table.merge_key(peer, 4, 900, 50)
+    assert peer.fresh_at == 0
+    assert table.merge_key(peer, 5, 101, 60)
+    assert peer.fresh_at == 60
+    assert table.merge_key(peer, 6, 0, 70)  # a version announced before its content
+    assert (peer.version, peer.snapshot.version) == (6, 5)
+
+
+# --- failure detection ----------------------------------------------------------------------
+
+def test_states_follow_local_freshness_and_news_revives() -> None:
+    seen = []
+    table = PeerTable(max_peers=4, on_state=lambda p, old, new, now: seen.append((p.node_id, old, new, now)))
+    merge(table, snap("a", 1), now=0)
+    merge(table, snap("b", 1), now=500)
+    timers = (1000, 2000, 5000)
+    assert table.next_deadline(*timers) == 1000
+    table.sweep(999, *timers)
+    assert table.get(node_key("a")).state is PeerState.ALIVE
+    table.sweep(1000, *timers)
+    assert table.get(node_key("a")).state is PeerState.SUSPECT
+    assert table.live_count == 2  # a suspect is still gossiped to
+    table.sweep(2000, *timers)
+    assert table.get(node_key("a")).state is PeerState.DEAD
+    assert table.get(node_key("b")).state is PeerState.SUSPECT
+    assert table.live_count == 1
+    assert [p.node_id for p in table.sample_live(5, random.Random(1))] == ["b"]
+    # News revives: the dead peer is alive and a gossip target again.
+    assert table.merge_key(table.get(node_key("a")), 2, 0, 2100)
+    assert table.get(node_key("a")).state is PeerState.ALIVE
+    assert table.live_count == 2
+    table.sweep(7500, *timers)  # b: dead at 2500, forgotten at 5500
+    assert table.get(node_key("b")) is None
+    assert ("b", PeerState.DEAD, None, 7500) in seen
+    assert ("a", PeerState.DEAD, PeerState.ALIVE, 2100) in seen
+
+
+def test_table_is_bounded_and_makes_room_only_from_the_dead() -> None:
+    table = PeerTable(max_peers=2)
+    assert merge(table, snap("a", 1), now=0) is not None
+    assert merge(table, snap("b", 1), now=0) is not None
+    assert merge(table, snap("c", 1), now=0) is None
+    assert len(table) == 2
+    table.sweep(10_000, 1000, 2000, 100_000)  # both dead, not yet forgotten
+    assert merge(table, snap("c", 1), now=10_000) is not None
+    assert len(table) == 2
+    assert table.get(node_key("c")) is not None
+
+
+# --- the announcement queue ---------------------------------------------------------------
+
+def test_queue_latest_wins_least_sent_first_and_limited() -> None:
+    q = BroadcastQueue()
+    q.put(1, 10, 0, limit=2)
+    q.put(2, 20, 0, limit=2)
+    assert q.take(1) == [(2, 20, 0)]  # newest first among the never sent
+    assert q.take(1) == [(1, 10, 0)]  # then the least sent
+    q.put(1, 11, 0, limit=2)  # news about 1 replaces its entry and starts it over
+    assert q.take(5) == [(1, 11, 0), (2, 20, 0)]
+    assert q.take(5) == [(1, 11, 0)]
+    assert q.take(5) == []
+    assert len(q) == 0
+
+
+def test_queue_puts_first_ahead_and_skips_what_the_receiver_has() -> None:
+    q = BroadcastQueue()
+    for key in range(5):
+        q.put(key, 1, 0, limit=3)
+    assert q.take(2, first=0) == [(0, 1, 0), (4, 1, 0)]
+    assert [e[0] for e in q.take(10, skip={3})] == [2, 1, 4, 0]
+    assert 3 in q
+
+
+# --- pulls, probes, rates -----------------------------------------------------------------
+
+def test_pull_tracker_asks_once_retries_then_gives_up() -> None:
+    pulls = PullTracker(timeout_ms=100, retries=2, max_entries=2)
+    assert pulls.want(1, 5, 4, ADDR, now=0)
+    assert not pulls.want(1, 5, 4, ("other", 1), now=50)  # in flight
+    assert pulls.want(1, 6, 4, ADDR, now=60)  # a newer version is asked for again
+    assert pulls.next_deadline() == 160
+    assert pulls.due(160) == [(ADDR, 1, 4)]
+    assert pulls.due(260) == [(ADDR, 1, 4)]
+    assert pulls.due(360) == []  # retries spent
+    assert len(pulls) == 0
+    assert pulls.want(2, 1, 0, ADDR, 0) and pulls.want(3, 1, 0, ADDR, 0)
+    assert not pulls.want(4, 1, 0, ADDR, 50)
+    assert pulls.refused == 1
+    pulls.done(2, 1)
+    assert pulls.want(4, 1, 0, ADDR, 50)
+
+
+def test_prober_repeats_until_cleared() -> None:
+    prober = Prober(interval_ms=100)
+    prober.suspect(7, now=0)
+    assert prober.due(0) == [7]
+    assert prober.due(50) == []
+    assert prober.due(100) == [7]
+    prober.clear(7)
+    assert prober.due(1000) == [] and prober.next_deadline() is None
+
+
+def test_source_limiter_bounds_rate_and_memory() -> None:
+    limiter = SourceLimiter(rate_per_s=10, burst=5, max_sources=3)
+    assert sum(limiter.allow(ADDR, 0) for _ in range(20)) == 5
+    assert limiter.allow(ADDR, 100)  # 1 token back after 100 ms
+    for port in range(100):
+        limiter.allow(("10.0.0.2", port), 0)
+    assert len(limiter) == 3
+    bucket = TokenBucket(rate_per_s=1, burst=2)
+    assert [bucket.take(0) for _ in range(3)] == [True, True, False]
+    assert bucket.take(1000)

@@ -1,0 +1,380 @@
+"""The protocol core, several nodes driven in-process over a fake network."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gossip import wire
+from gossip.config import GossipParams
+from gossip.keyring import Keyring
+from gossip.membership import Addr, PeerState
+from gossip.protocol import GossipCore, Outgoing
+from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from gossip.wire import Kind
+
+WALL = 1_764_000_000_000
+KEY_A = bytes(range(32))
+KEY_B = bytes(range(1, 33))
+FAST = GossipParams(interval_ms=100, beat_interval_ms=300, suspect_after_ms=1000, dead_after_ms=2000,
+                    reap_after_ms=60_000, dead_sync_interval_ms=1000, push_pull_interval_ms=5000,
+                    join_retry_ms=500, probe_interval_ms=200)
+
+
+def snap(node: str, version: int, now: int = 0, state: State = State.OK, score: float = 0.5) -> LoadSnapshot:
+    return LoadSnapshot(node_id=node, endpoints=(Endpoint("10.9.9.9", 8000),), version=version,
+                        timestamp_ms=WALL + now, state=state, score=score,
+                        host=HostLoad(score, 1000, 2000, 1.5, None), gpus=(), models=())
+
+
+class Mesh:
+    """Cores on an in-process network: fixed latency, links that can be cut, nodes that
+    can be stopped. Time moves only in run(), from event to event."""
+
+    def __init__(self, latency: int = 1) -> None:
+        self.latency = latency
+        self.now = 0
+        self.cores: dict[Addr, GossipCore] = {}
+        self.down: set[Addr] = set()
+        self.cut: set[frozenset[Addr]] = set()
+        self.heap: list[tuple[int, int, Addr, Addr, bytes]] = []
+        self.seq = 0
+        self.delivered = 0
+
+    def add(self, node_id: str, params: GossipParams = FAST, keyring: Keyring | None = None,
+            addr: Addr | None = None) -> GossipCore:
+        addr = addr or (f"10.0.0.{len(self.cores) + 1}", 7946)
+        core = GossipCore(node_id, addr, params, keyring, rng=random.Random(len(self.cores)), wall_offset_ms=WALL)
+        self.cores[addr] = core
+        self.down.discard(addr)
+        return core
+
+    def send(self, src: Addr, out: Outgoing) -> None:
+        for dst, data in out:
+            if src in self.down or dst in self.down or frozenset((src, dst)) in self.cut:
+                continue
+            self.seq += 1
+            heapq.heappush(self.heap, (self.now + self.latency, self.seq, src, dst, data))
+
+    def publish(self, core: GossipCore, snapshot: LoadSnapshot, urgent: bool = False) -> None:
+        self.send(core.advertise, core.publish(snapshot, urgent, self.now))
+
+    def join(self, core: GossipCore, *seeds: GossipCore) -> None:
+        self.send(core.advertise, core.join([s.advertise for s in seeds], self.now))
+
+    def run(self, duration: int) -> None:
+        until = self.now + duration
+        while True:
+            event = self.heap[0][0] if self.heap else math.inf
+            live = [(c.next_deadline(), a) for a, c in self.cores.items() if a not in self.down]
+            tick, addr = min(live) if live else (math.inf, None)
+            t = min(event, tick)
+            if t > until:
+                break
+            self.now = max(self.now, t)
+            if event <= tick:
+                _, _, src, dst, data = heapq.heappop(self.heap)
+                if dst in self.cores and dst not in self.down:
+                    self.delivered += 1
+                    self.send(dst, self.cores[dst].on_datagram(data, src, self.now))
+            else:
+                self.send(addr, self.cores[addr].on_tick(self.now))
+        self.now = until
+
+    def versions(self, node: str) -> dict[str, int | None]:
+        """What each running node holds of `node`'s snapshot."""
+        out = {}
+        for addr, core in self.cores.items():
+            if addr not in self.down and core.node_id != node:
+                view = core.snapshots(self.now).get(node)
+                out[core.node_id] = view.snapshot.version if view else None
+        return out
+
+    def state_of(self, node: str) -> dict[str, str | None]:
+        out = {}
+        for addr, core in self.cores.items():
+            if addr not in self.down and core.node_id != node:
+                rows = [p["state"] for p in core.peers(self.now) if p["node_id"] == node]
+                out[core.node_id] = rows[0] if rows else None
+        return out
+
+
+def mesh_of(n: int, params: GossipParams = FAST, keyring: Keyring | None = None) -> tuple[Mesh, list[GossipCore]]:
+    mesh = Mesh()
+    cores = [mesh.add(f"node-{i}", params, keyring) for i in range(n)]
+    for i, core in enumerate(cores):
+        mesh.publish(core, snap(core.node_id, 100 + i))
+        if i:
+            mesh.join(core, cores[0])
+    mesh.run(3000)
+    return mesh, cores
+
+
+def total(core: GossipCore, prefix: str) -> int:
+    return sum(v for k, v in core.counters().items() if k.startswith(prefix))
+
+
+# --- joining and converging -----------------------------------------------------------------
+
+def test_join_through_one_seed_and_converge() -> None:
+    mesh, cores = mesh_of(8)
+    for core in cores:
+        assert set(core.snapshots(mesh.now)) == {c.node_id for c in cores}
+        assert all(p["state"] == "alive" for p in core.peers(mesh.now))
+    mesh.publish(cores[5], snap("node-5", 200, mesh.now, score=0.9))
+    mesh.run(2000)
+    assert set(mesh.versions("node-5").values()) == {200}
+    assert all(c.snapshots(mesh.now)["node-5"].snapshot.score == 0.9 for c in cores)
+
+
+def test_new_versions_travel_as_deltas_to_holders_of_the_previous_one() -> None:
+    mesh, cores = mesh_of(5)
+    mesh.publish(cores[1], snap("node-1", 300, mesh.now, score=0.7))
+    mesh.run(2000)
+    deltas = [c.table.get(cores[1].key).delta for c in cores if c is not cores[1]]
+    assert all(d is not None for d in deltas)
+    # A node that never held the previous version gets the full snapshot.
+    late = mesh.add("late")
+    mesh.join(late, cores[0])
+    mesh.run(1000)
+    assert late.table.get(cores[1].key).snapshot.version == 300
+    assert late.table.get(cores[1].key).delta is None
+
+
+def test_peers_rows_have_the_fixed_fields_self_first() -> None:
+    mesh, cores = mesh_of(3)
+    rows = cores[0].peers(mesh.now)
+    assert rows[0]["node_id"] == "node-0" and rows[0]["addr"] == "10.0.0.1:7946"
+    for row in rows:
+        assert set(row) == {"node_id", "state", "version", "age_ms", "addr"}
+        assert row["state"] == "alive" and 0 <= row["age_ms"] <= FAST.suspect_after_ms
+    assert {r["node_id"]: r["version"] for r in rows} == {"node-0": 100, "node-1": 101, "node-2": 102}
+
+
+# --- failure detection --------------------------------------------------------------------
+
+def test_dead_peer_detected_then_restart_rejoins_with_a_higher_version() -> None:
+    mesh, cores = mesh_of(6)
+    mesh.down.add(cores[3].advertise)
+    mesh.run(FAST.suspect_after_ms + 100)
+    assert set(mesh.state_of("node-3").values()) == {"suspect"}
+    mesh.run(FAST.dead_after_ms)
+    assert set(mesh.state_of("node-3").values()) == {"dead"}
+    views = cores[0].snapshots(mesh.now)
+    assert views["node-3"].state is PeerState.DEAD
+    assert total(cores[0], "probes_sent") > 0
+    # The same node id comes back, its version clock ahead of what it published before.
+    reborn = mesh.add("node-3", addr=cores[3].advertise)
+    mesh.publish(reborn, snap("node-3", 5000, mesh.now), urgent=True)
+    mesh.join(reborn, cores[0])
+    mesh.run(1500)
+    assert set(mesh.state_of("node-3").values()) == {"alive"}
+    assert set(mesh.versions("node-3").values()) == {5000}
+    assert set(reborn.snapshots(mesh.now)) == {c.node_id for c in cores}
+
+
+def test_live_peer_with_lost_beats_is_saved_by_probes() -> None:
+    mesh = Mesh()
+    quiet = GossipParams(interval_ms=100, beat_interval_ms=20_000, suspect_after_ms=30_000, dead_after_ms=40_000,
+                         reap_after_ms=60_000)
+    watcher = mesh.add("watcher")
+    sleeper = mesh.add("sleeper", quiet)
+    mesh.publish(sleeper, snap("sleeper", 1))
+    mesh.publish(watcher, snap("watcher", 1))
+    mesh.join(sleeper, watcher)
+    mesh.run(10_000)  # five dead_after of the watcher, without a single beat from the sleeper
+    assert mesh.state_of("sleeper") == {"watcher": "alive"}
+    assert total(watcher, "probes_sent") > 0
+    assert total(watcher, "became_dead") == 0
+    mesh.down.add(sleeper.advertise)
+    mesh.run(FAST.dead_after_ms + 500)
+    assert mesh.state_of("sleeper") == {"watcher": "dead"}
+
+
+def test_partition_heals_by_itself() -> None:
+    mesh, cores = mesh_of(6)
+    left, right = cores[:3], cores[3:]
+    mesh.cut = {frozenset((a.advertise, b.advertise)) for a in left for b in right}
+    mesh.run(FAST.dead_after_ms + 500)
+    assert mesh.state_of("node-4")["node-0"] == "dead"
+    assert mesh.state_of("node-0")["node-4"] == "dead"
+    mesh.cut = set()
+    mesh.run(2 * FAST.dead_sync_interval_ms + 500)
+    for core in cores:
+        assert all(p["state"] == "alive" for p in core.peers(mesh.now)), core.node_id
+
+
+# --- urgent versions ---------------------------------------------------------------------------
+
+def test_urgent_version_reaches_everyone_before_any_round() -> None:
+    slow = replace(FAST, interval_ms=60_000, beat_interval_ms=50_000, suspect_after_ms=100_000,
+                   dead_after_ms=200_000, reap_after_ms=300_000, push_pull_interval_ms=100_000,
+                   dead_sync_interval_ms=100_000)
+    mesh = Mesh()
+    cores = []
+    for i in range(10):  # without rounds, each node joins through all the others
+        cores.append(mesh.add(f"node-{i}", slow))
+        mesh.publish(cores[i], snap(f"node-{i}", 100))
+        if i:
+            mesh.join(cores[i], *cores[:i])
+        mesh.run(20)
+    assert all(len(c.table) == 9 for c in cores)
+    mesh.publish(cores[0], snap("node-0", 500, mesh.now, state=State.DRAINING), urgent=True)
+    mesh.run(30)  # 30 ms, a few hops, no round
+    assert set(mesh.versions("node-0").values()) == {500}
+    # An ordinary version is pushed to `fanout` peers at once and waits for rounds.
+    mesh.publish(cores[1], snap("node-1", 600, mesh.now))
+    mesh.run(30)
+    held = list(mesh.versions("node-1").values())
+    assert held.count(600) == slow.fanout
+
+
+# --- security and hostile input -----------------------------------------------------------------
+
+def test_wrong_key_is_rejected_both_ways() -> None:
+    mesh, cores = mesh_of(4, keyring=Keyring([KEY_A]))
+    intruder = mesh.add("intruder", keyring=Keyring([KEY_B]))
+    mesh.publish(intruder, snap("intruder", 1, mesh.now))
+    mesh.join(intruder, cores[0])
+    mesh.join(cores[1], intruder)  # and a member that tries to join it
+    mesh.run(3000)
+    assert all("intruder" not in c.snapshots(mesh.now) for c in cores)
+    assert total(cores[0], "drop_bad_signature") > 0
+    assert set(intruder.snapshots(mesh.now)) == {"intruder"}
+    assert total(intruder, "drop_bad_signature") > 0
+
+
+def test_key_rotation_never_splits_the_mesh() -> None:
+    mesh, cores = mesh_of(4, keyring=Keyring([KEY_A]))
+    version = 1000
+    for ring in (Keyring([KEY_A, KEY_B]), Keyring([KEY_B, KEY_A]), Keyring([KEY_B])):
+        for core in cores:  # one node at a time, with traffic in between
+            core.set_keyring(ring)
+            version += 1
+            mesh.publish(core, snap(core.node_id, version, mesh.now))
+            mesh.run(700)
+    assert all(total(c, "drop_") == 0 for c in cores)
+    for core in cores:
+        latest = {c.node_id: c.snapshots(mesh.now)[c.node_id].snapshot.version for c in cores}
+        assert {n: v.snapshot.version for n, v in core.snapshots(mesh.now).items()} == latest
+
+
+def test_malformed_input_is_counted_and_dropped() -> None:
+    mesh, cores = mesh_of(2, keyring=Keyring([KEY_A]))
+    core, ring = cores[0], Keyring([KEY_A])
+    src = ("10.7.7.7", 1)
+    future = snap("ghost", 1, now=10 * 60_000)
+    bad_snapshot = wire.pack_content([wire.pack_full(0, 0, src, b"\x81\xa1x\x01")], 1400)[0]
+    cases = {
+        "drop_truncated": b"LM\x01",
+        "drop_bad_magic": b"XX" + bytes(40),
+        "drop_bad_version": wire.seal(Kind.GOSSIP, 1, b"", ring)[:2] + b"\x07" + bytes(30),
+        "drop_unsigned": wire.seal(Kind.GOSSIP, 1, b"", None),
+        "drop_bad_signature": wire.seal(Kind.GOSSIP, 1, b"", Keyring([KEY_B])),
+        "drop_oversized": wire.seal(Kind.SYNC, 1, bytes(20 * 100), ring),
+        "drop_malformed": wire.seal(Kind.GOSSIP, 1, bytes(21), ring),
+        "drop_bad_snapshot": wire.seal(Kind.CONTENT, 1, bad_snapshot, ring),
+        "drop_future": wire.seal(Kind.CONTENT, 1, wire.pack_content(
+            [wire.pack_full(0, 0, src, encode(future))], 1400)[0], ring),
+        "drop_own_node_id": wire.seal(Kind.GOSSIP, core.key, b"", ring),
+    }
+    for counter, data in cases.items():
+        before = core.counters().get(counter, 0)
+        assert core.on_datagram(data, src, mesh.now) == []
+        assert core.counters()[counter] == before + 1, counter
+    assert "ghost" not in core.snapshots(mesh.now)
+
+
+def _datagrams_of_a_live_mesh() -> list[bytes]:
+    mesh, cores = mesh_of(5, keyring=Keyring([KEY_A]))
+    captured: list[bytes] = []
+    original = mesh.send
+
+    def capture(src: Addr, out: Outgoing) -> None:
+        captured.extend(d for _, d in out)
+        original(src, out)
+
+    mesh.send = capture  # type: ignore[method-assign]
+    mesh.publish(cores[1], snap("node-1", 900, mesh.now, state=State.OVERLOADED), urgent=True)
+    mesh.publish(cores[2], snap("node-2", 900, mesh.now, score=0.8))
+    late = mesh.add("late", keyring=Keyring([KEY_A]))
+    mesh.join(late, cores[0])
+    mesh.run(1500)
+    assert {d[3] for d in captured} == set(Kind)
+    return captured
+
+
+SAMPLES = _datagrams_of_a_live_mesh()
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(SAMPLES), st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 255)), max_size=4),
+       st.integers(0, 2000), st.booleans(), st.binary(max_size=64))
+def test_mutated_datagrams_never_raise_and_are_accounted(sample: bytes, flips: list[tuple[int, int]], cut: int,
+                                                          keyed: bool, tail: bytes) -> None:
+    data = bytearray(sample)
+    for pos, value in flips:
+        if pos < len(data):
+            data[pos] = value
+    data = bytes(data[:cut]) + tail
+    core = GossipCore("fuzzed", ("10.1.1.1", 7946), FAST, Keyring([KEY_A]) if keyed else None,
+                      rng=random.Random(0), wall_offset_ms=WALL)
+    core.publish(snap("fuzzed", 1), False, 0)
+    out = core.on_datagram(data, ("10.2.2.2", 1), 10)
+    counts = core.counters()
+    assert counts["datagrams_received"] == 1
+    handled = sum(counts.get(k, 0) for k in ("pulls_sent", "pulls_served", "records_stored", "syncs_sent"))
+    dropped = sum(v for k, v in counts.items() if k.startswith("drop_") or k == "delta_without_base")
+    # Either dropped with a reason, or handled, or old news that needs nothing.
+    assert dropped or handled or out == [] or all(len(d) <= 1400 for _, d in out)
+    assert len(core.table) <= 1
+
+
+def test_flood_from_one_source_is_rate_limited() -> None:
+    params = replace(FAST, rate_per_source=10, rate_burst=20)
+    core = GossipCore("victim", ("10.1.1.1", 7946), params, None, rng=random.Random(0), wall_offset_ms=WALL)
+    junk = wire.seal(Kind.GOSSIP, 99, wire.pack_entries([(5, 5, 5)]), None)
+    for _ in range(1000):
+        core.on_datagram(junk, ("10.6.6.6", 4444), 0)
+    counts = core.counters()
+    assert counts["drop_rate_limited"] == 980
+    assert counts["pulls_sent"] == 1  # the 20 admitted asked once for the unknown node
+    core.on_datagram(junk, ("10.6.6.7", 4444), 0)  # another source is not affected
+    assert counts["drop_rate_limited"] == core.counters()["drop_rate_limited"]
+
+
+def test_peer_table_limit_holds() -> None:
+    params = replace(FAST, max_peers=3)
+    mesh = Mesh()
+    cores = [mesh.add(f"node-{i}", params) for i in range(7)]
+    for i, core in enumerate(cores):
+        mesh.publish(core, snap(core.node_id, 10 + i))
+        if i:
+            mesh.join(core, cores[0])
+    mesh.run(3000)
+    assert all(len(c.table) <= 3 for c in cores)
+    assert total(cores[0], "drop_table_full") > 0
+
+
+# --- the owner's rules --------------------------------------------------------------------
+
+def test_publish_rules() -> None:
+    core = GossipCore("me", ("10.1.1.1", 7946), FAST, None, rng=random.Random(0), wall_offset_ms=WALL)
+    core.publish(snap("me", 10), False, 0)
+    with pytest.raises(ValueError, match="went back"):
+        core.publish(snap("me", 9), False, 1)
+    with pytest.raises(ValueError, match="different content"):
+        core.publish(snap("me", 10, score=0.1), False, 1)
+    with pytest.raises(ValueError, match="published by"):
+        core.publish(snap("you", 11), False, 1)
+    with pytest.raises(ValueError, match="start at 1"):
+        GossipCore("z", ("h", 1), FAST).publish(snap("z", 0), False, 0)
+    assert core.publish(snap("me", 10), False, 5) == []
+    core.publish(snap("me", 10, now=700), False, 700)  # the same content, vouched later: a beat
+    assert core.queue.take(5) == [(core.key, 10, 700)]

@@ -1,0 +1,67 @@
+"""The simulator: small, quick runs of the real protocol core on a simulated network."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gossip.config import GossipParams
+from gossip.simulator import simulate
+
+FIXED = {"nodes", "convergence_p50_s", "convergence_p99_s", "urgent_p99_s", "bytes_per_node_per_s",
+         "max_datagram_bytes", "false_dead", "detect_dead_p99_s"}
+
+
+@pytest.fixture(scope="module")
+def small() -> dict[str, object]:
+    return simulate(30, 20, seed=7)
+
+
+def test_fixed_keys_and_sane_values(small: dict[str, object]) -> None:
+    assert FIXED <= set(small)
+    json.dumps(small)  # what --json prints
+    assert small["nodes"] == 30
+    assert small["versions"] > 50
+    assert 0 < small["convergence_p50_s"] <= small["convergence_p99_s"] < 10
+    assert 0 < small["bytes_per_node_per_s"] < 100_000
+    assert 100 < small["max_datagram_bytes"] <= 1400
+    assert small["false_dead"] == 0
+    assert small["detect_dead_p99_s"] is None  # nothing was killed
+    assert small["unconverged"] == 0
+    # The reference workload: about one version per node every 5 s.
+    assert 0.1 < small["versions_per_node_per_s"] < 0.35
+
+
+def test_same_seed_same_result(small: dict[str, object]) -> None:
+    assert simulate(30, 20, seed=7) == small
+    assert simulate(30, 20, seed=8) != small
+
+
+def test_killed_nodes_are_detected_by_everyone() -> None:
+    result = simulate(30, 20, kill=3, seed=3)
+    params = GossipParams()
+    assert result["detect_dead_p99_s"] is not None
+    # No node can be declared dead before dead_after without news, nor long after.
+    assert params.dead_after_ms / 1000 - 1 < result["detect_dead_p99_s"] < params.dead_after_ms / 1000 + 3
+    assert result["false_dead"] == 0
+
+
+def test_loss_slows_but_does_not_kill() -> None:
+    result = simulate(30, 20, loss=0.2, seed=5)
+    assert result["false_dead"] == 0
+    assert result["unconverged"] == 0
+    assert result["convergence_p99_s"] is not None
+
+
+def test_timers_that_cannot_work_show_false_deaths() -> None:
+    # A detector far tighter than the beat: the simulator must report it, not hide it.
+    bad = GossipParams(beat_interval_ms=1900, suspect_after_ms=2000, dead_after_ms=2100, probe_interval_ms=5000)
+    assert simulate(30, 15, loss=0.3, seed=1, params=bad)["false_dead"] > 0
+
+
+@pytest.mark.parametrize("kwargs", [{"nodes": 1}, {"loss": 1.0}, {"kill": 30}, {"seconds": 0}])
+def test_bad_arguments(kwargs: dict[str, object]) -> None:
+    args = {"nodes": 30, "seconds": 10} | kwargs
+    with pytest.raises(ValueError):
+        simulate(**args)  # type: ignore[arg-type]

@@ -1,0 +1,185 @@
+"""Datagram framing, authentication, key files and snapshot deltas."""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossip import delta, wire
+from gossip.codec import ContentCodec
+from gossip.keyring import TAG_BYTES, Keyring, load_keyring
+from gossip.snapshot import encode
+from gossip.wire import Kind, WireError
+from gossip.workload import NodeLoad
+
+KEY_A = bytes(range(32))
+KEY_B = bytes(range(1, 33))
+SENDER = wire.node_key("node-a")
+
+
+def reason(fn, *args) -> str:
+    with pytest.raises(WireError) as e:
+        fn(*args)
+    return e.value.reason
+
+
+# --- framing and authentication ----------------------------------------------------------------
+
+def test_round_trip_signed_and_open() -> None:
+    body = wire.pack_entries([(1, 2, 3), (4, 5, 6)])
+    for keyring in (None, Keyring([KEY_A])):
+        data = wire.seal(Kind.GOSSIP, SENDER, body, keyring, wire.FLAG_REPLY)
+        dg = wire.open_datagram(data, keyring, 1400)
+        assert (dg.kind, dg.sender, dg.body) == (Kind.GOSSIP, SENDER, body)
+        assert dg.flags & wire.FLAG_REPLY
+        assert list(wire.unpack_entries(dg.body)) == [(1, 2, 3), (4, 5, 6)]
+    assert len(wire.seal(Kind.GOSSIP, SENDER, body, Keyring([KEY_A]))) == wire.HEADER.size + len(body) + TAG_BYTES
+
+
+def test_keyed_node_drops_wrong_key_and_unsigned() -> None:
+    ours = Keyring([KEY_A])
+    data = wire.seal(Kind.GOSSIP, SENDER, b"", Keyring([KEY_B]))
+    assert reason(wire.open_datagram, data, ours, 1400) == "bad_signature"
+    assert reason(wire.open_datagram, wire.seal(Kind.GOSSIP, SENDER, b"", None), ours, 1400) == "unsigned"
+    flipped = bytearray(wire.seal(Kind.GOSSIP, SENDER, wire.pack_entries([(1, 2, 3)]), ours))
+    flipped[20] ^= 1
+    assert reason(wire.open_datagram, bytes(flipped), ours, 1400) == "bad_signature"
+    # An open node hears a keyed mesh (the tag is stripped, unchecked).
+    assert wire.open_datagram(data, None, 1400).body == b""
+
+
+def test_rotation_any_key_of_the_ring_verifies_the_primary_signs() -> None:
+    old, both, new = Keyring([KEY_A]), Keyring([KEY_B, KEY_A]), Keyring([KEY_B])
+    assert wire.open_datagram(wire.seal(Kind.SYNC, SENDER, b"", old), both, 1400)
+    assert wire.open_datagram(wire.seal(Kind.SYNC, SENDER, b"", both), new, 1400)
+    assert reason(wire.open_datagram, wire.seal(Kind.SYNC, SENDER, b"", old), new, 1400) == "bad_signature"
+
+
+def test_bad_headers_are_named() -> None:
+    good = wire.seal(Kind.PULL, SENDER, wire.pack_wants([(1, 2)]), None)
+    assert reason(wire.open_datagram, good[:5], None, 1400) == "truncated"
+    assert reason(wire.open_datagram, b"XX" + good[2:], None, 1400) == "bad_magic"
+    assert reason(wire.open_datagram, good[:2] + b"\x09" + good[3:], None, 1400) == "bad_version"
+    assert reason(wire.open_datagram, good[:3] + b"\x63" + good[4:], None, 1400) == "bad_kind"
+    assert reason(wire.open_datagram, wire.seal(Kind.GOSSIP, SENDER, bytes(2000), None), None, 1400) == "oversized"
+    assert reason(wire.open_datagram, bytes(70_000), None, 1400) == "oversized"
+    signed_flag_no_tag = good[:4] + b"\x01" + good[5:13]
+    assert reason(wire.open_datagram, signed_flag_no_tag, None, 1400) == "truncated"
+    assert reason(lambda: list(wire.unpack_entries(b"x" * 21))) == "malformed"
+    assert reason(lambda: list(wire.unpack_wants(b"x" * 17))) == "malformed"
+
+
+def test_content_records_chunk_to_the_datagram_limit() -> None:
+    records = [wire.pack_full(0, 7, ("10.0.0.1", 7946), bytes(300)) for _ in range(10)]
+    bodies = wire.pack_content(records, 1400)
+    assert len(bodies) > 1
+    for body in bodies:
+        assert wire.HEADER.size + len(body) + TAG_BYTES <= 1400
+    parsed = [r for body in bodies for r in wire.unpack_content(body)[0]]
+    assert parsed == [wire.FullRecord(0, 7, ("10.0.0.1", 7946), bytes(300))] * 10
+    big = wire.pack_full(0, 0, ("h", 1), bytes(5000))
+    assert len(wire.pack_content([records[0], big, records[0]], 1400)) == 3
+
+
+def test_invalid_records_are_counted_one_by_one() -> None:
+    good = wire.pack_delta(1, 5, 10, 11, 0, 123, b"\x90")
+    body = msgpack.packb([msgpack.unpackb(good), [1, 0, 5, 11, 10, 0, 0, b""], [7], "x", [0, 0, 0, "", 1, b""]])
+    records, bad = wire.unpack_content(body)
+    assert records == [wire.DeltaRecord(1, 5, 10, 11, 0, 123, b"\x90")]
+    assert bad == ["malformed"] * 4
+    assert reason(wire.unpack_content, b"\xc1") == "malformed"
+    assert reason(wire.unpack_content, msgpack.packb({"a": 1})) == "malformed"
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=1600))
+def test_any_bytes_are_a_clean_drop_or_a_valid_datagram(data: bytes) -> None:
+    for keyring in (None, Keyring([KEY_A])):
+        try:
+            dg = wire.open_datagram(data, keyring, 1400)
+        except WireError as e:
+            assert e.reason
+            continue
+        try:
+            if dg.kind in (Kind.GOSSIP, Kind.SYNC):
+                assert all(len(e) == 3 for e in wire.unpack_entries(dg.body))
+            elif dg.kind is Kind.PULL:
+                assert all(len(w) == 2 for w in wire.unpack_wants(dg.body))
+            else:
+                records, bad = wire.unpack_content(dg.body)
+                assert all(isinstance(r, (wire.FullRecord, wire.DeltaRecord)) for r in records)
+        except WireError as e:
+            assert e.reason
+
+
+# --- key files ------------------------------------------------------------------------
+
+def test_key_file_hex_base64_comments_and_order(tmp_path: Path) -> None:
+    path = tmp_path / "gossip.key"
+    path.write_text(f"# rotated 2025-01\n\n{KEY_B.hex()}\n  {base64.b64encode(KEY_A).decode()}  \n")
+    path.chmod(0o600)
+    ring = load_keyring(path)
+    assert ring.keys == (KEY_B, KEY_A)
+    assert ring.primary == KEY_B
+
+
+@pytest.mark.parametrize("text, where, what", [
+    ("not a key!\n", ":1:", "neither hex nor base64"),
+    ("# c\n" + "ab" * 8 + "\n", ":2:", "8 bytes"),
+    ("# only comments\n", "", "no key"),
+    (KEY_A.hex() + "\n" + base64.b64encode(bytes(100)).decode() + "\n", ":2:", "100 bytes"),
+])
+def test_key_file_errors_name_file_and_line(tmp_path: Path, text: str, where: str, what: str) -> None:
+    path = tmp_path / "gossip.key"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_keyring(path)
+    assert str(path) + where in str(e.value)
+    assert what in str(e.value)
+
+
+def test_missing_key_file_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="gossip.key"):
+        load_keyring(tmp_path / "gossip.key")
+
+
+# --- deltas -----------------------------------------------------------------------------
+
+def test_delta_rebuilds_the_owners_bytes_and_is_smaller() -> None:
+    load = NodeLoad("node-a", "10.0.0.1", __import__("random").Random(3), 100)
+    base = encode(load.snapshot(1000))
+    while not load.tick()[0]:
+        pass
+    new = encode(load.snapshot(2000))
+    codec = ContentCodec()
+    changes = codec.diff(base, new)
+    assert changes is not None and len(changes) < len(new) * 0.75
+    assert codec.apply(base, changes, zlib.crc32(new)) == new
+    assert codec.snapshot(new).version == 101
+
+
+def test_delta_refuses_shape_changes_bad_input_and_wrong_base() -> None:
+    load = NodeLoad("node-a", "10.0.0.1", __import__("random").Random(3), 100)
+    snap = load.snapshot(1000)
+    base = encode(snap)
+    grown = encode(replace(snap, gpus=snap.gpus[:2]))
+    assert delta.diff(delta.flatten(base), delta.flatten(grown)) is None
+    other = encode(replace(snap, version=7))
+    changes = delta.diff(delta.flatten(base), delta.flatten(other))
+    flat = delta.flatten(base)
+    with pytest.raises(delta.DeltaError):
+        delta.apply(flat, changes, 0)  # wrong CRC
+    for bad in (b"\xc1", msgpack.packb([1]), msgpack.packb([10_000, 1]), msgpack.packb([3, 1, 2, 1]),
+                msgpack.packb([1, [1, 2]]), msgpack.packb("x")):
+        with pytest.raises(delta.DeltaError):
+            delta.apply(flat, bad, zlib.crc32(other))
+    # Applied to a different base, the CRC catches it.
+    with pytest.raises(delta.DeltaError):
+        delta.apply(delta.flatten(encode(replace(snap, score=0.1))), changes, zlib.crc32(other))

@@ -1,0 +1,154 @@
+"""Several real agents, each in its own network namespace on a bridge: they find each other
+from one seed, converge, see a killed agent go dead, heal after an nftables partition, and
+refuse a peer that signs with the wrong key."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import LOADMESH, agent_config
+from nettopo import MeshNode, bridge_mesh, leftovers, stop_process
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+
+GOSSIP_PORT = 7946
+
+
+class MeshAgent:
+    def __init__(self, node: MeshNode, name: str, run_dir: Path, seed: str, key_file: Path) -> None:
+        self.node = node
+        self.name = name
+        self.socket = str(run_dir / f"{name}.sock")
+        self.config = run_dir / f"{name}.toml"
+        # Every node serves "llama" from the start, so routing has candidates without traffic.
+        static = ", ".join(f'n{i} = ["llama"]' for i in range(5))
+        self.config.write_text(agent_config(
+            self.socket, node_id=name, extra=f"[routing]\nstatic_models = {{ {static} }}\n",
+            gossip=f'bind = "{node.v4}:{GOSSIP_PORT}"\nseeds = ["{seed}:{GOSSIP_PORT}"]\n'
+                   f'key_file = "{key_file}"'))
+        self.log = run_dir / f"{name}.log"
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                self.node.ns.argv([LOADMESH, "agent", "--config", str(self.config)]),
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                start_new_session=True)
+
+    def peers(self) -> dict[str, dict]:
+        out = subprocess.run([LOADMESH, "peers", "--socket", self.socket, "--json"],
+                             capture_output=True, text=True, timeout=10)
+        return {p["node_id"]: p for p in json.loads(out.stdout)} if out.returncode == 0 else {}
+
+    def best(self, model: str) -> dict:
+        out = subprocess.run([LOADMESH, "best", model, "--socket", self.socket, "--json"],
+                             capture_output=True, text=True, timeout=10, check=True)
+        return json.loads(out.stdout)
+
+    def stats(self) -> dict[str, int]:
+        out = subprocess.run(["curl", "-sf", "--unix-socket", self.socket, "http://x/v1/gossip"],
+                             capture_output=True, text=True, timeout=10, check=True)
+        return json.loads(out.stdout)["counters"]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float, agents: list[MeshAgent]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.25)
+    logs = "\n".join(f"--- {a.name}\n{a.log.read_text()[-1500:]}" for a in agents)
+    raise AssertionError(f"not within {timeout}s: {what}\n{logs}")
+
+
+def states(agent: MeshAgent) -> dict[str, str]:
+    return {n: p["state"] for n, p in agent.peers().items()}
+
+
+@contextlib.contextmanager
+def mesh(n: int, run_dir: Path) -> Iterator[list[MeshAgent]]:
+    key = run_dir / "gossip.key"
+    key.write_text(secrets.token_hex(32) + "\n")
+    key.chmod(0o600)
+    with bridge_mesh(n, prefix="lmm") as nodes:
+        agents = [MeshAgent(node, f"n{i}", run_dir, nodes[0].v4, key) for i, node in enumerate(nodes)]
+        try:
+            for agent in agents:
+                agent.start()
+            yield agents
+        finally:
+            for agent in agents:
+                agent.stop()
+    assert leftovers("lmm") == []
+
+
+def nft(agent: MeshAgent, script: str) -> None:
+    subprocess.run(agent.node.ns.argv(["nft", "-f", "-"]), input=script, text=True,
+                   check=True, capture_output=True)
+
+
+def test_mesh_join_converge_kill_partition_heal_and_wrong_key(run_dir: Path) -> None:
+    with mesh(5, run_dir) as agents:
+        a0, a1, a2, a3, intruder = agents
+        # The fifth node signs with a key of its own: the mesh must never take it in.
+        intruder.config.write_text(intruder.config.read_text().replace(
+            str(run_dir / "gossip.key"), str(run_dir / "other.key")))
+        (run_dir / "other.key").write_text(secrets.token_hex(32) + "\n")
+        intruder.stop()
+        intruder.start()
+        honest = [a0, a1, a2, a3]
+        names = {a.name for a in honest}
+
+        wait_for("four agents see each other alive from one seed",
+                 lambda: all(states(a) == dict.fromkeys(names, "alive") for a in honest),
+                 30, agents)
+        versions = {a.name: a.peers()[a.name]["version"] for a in honest}
+        for a in honest:
+            for name, peer in a.peers().items():
+                assert peer["version"] >= versions[name] - 0  # never behind what it had
+        assert "n4" not in a0.peers()
+        assert a0.stats().get("drop_bad_signature", 0) > 0, "the intruder is counted as dropped"
+        assert set(states(intruder)) == {"n4"}, "and it learns nothing of the mesh"
+
+        picks = {a0.best("llama")["node_id"] for _ in range(40)}
+        assert picks <= names and len(picks) > 1, "spread over the mesh, never the intruder"
+
+        # Kill one agent: the others see it dead, and stop routing to it.
+        a3.proc.kill()
+        wait_for("n3 dead everywhere",
+                 lambda: all(states(a).get("n3") == "dead" for a in (a0, a1, a2)), 20, agents)
+        time.sleep(0.3)  # the routing table follows the gossip table every 100 ms
+        assert "n3" not in {a0.best("llama")["node_id"] for _ in range(40)}
+
+        # Partition {n0, n1} | {n2} with nftables inside n2's namespace, both ways.
+        nft(a2, f"""table inet lmpart {{
+            chain input {{ type filter hook input priority 0; ip saddr {{ {a0.node.v4}, {a1.node.v4} }} drop; }}
+            chain output {{ type filter hook output priority 0; ip daddr {{ {a0.node.v4}, {a1.node.v4} }} drop; }}
+        }}""")
+        wait_for("the two sides see each other dead",
+                 lambda: states(a0).get("n2") == "dead" and states(a2).get("n0") == "dead", 20, agents)
+        nft(a2, "delete table inet lmpart")
+        wait_for("the partition heals by itself",
+                 lambda: all(states(a).get(other) == "alive"
+                             for a in (a0, a1, a2) for other in ("n0", "n1", "n2")), 40, agents)
+
+        # A restarted node comes back with a higher version.
+        before = a0.peers()["n3"]["version"]
+        a3.start()
+        wait_for("n3 rejoins with a newer version",
+                 lambda: a0.peers().get("n3", {}).get("state") == "alive"
+                 and a0.peers()["n3"]["version"] > before, 30, agents)
