@@ -1,5 +1,8 @@
 """The agent process: starts its components in order, serves until SIGTERM or SIGINT, and
-stops them in reverse order so each releases what it holds (sockets, attached probes)."""
+stops them in reverse order so each releases what it holds (sockets, attached probes).
+SIGHUP rereads the configuration file (daemon/reload.py). Under systemd it tells the
+service manager when it is ready, reloading and stopping, and pets the watchdog from the
+event loop, so a stuck loop gets the agent restarted."""
 
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ from http import HTTPStatus
 from importlib import metadata
 from typing import Any
 
+from prometheus_client import ProcessCollector
+from prometheus_client.registry import CollectorRegistry
+
 from daemon import logs
 from daemon.api_server import ApiServer, Router
 from daemon.config import Config
@@ -18,8 +24,12 @@ from daemon.health import Component, State, StartupError
 from daemon.http import Request, Response
 from daemon.gossip_component import GossipComponent
 from daemon.gpu_component import GpuComponent
+from daemon.metrics import AgentCollector
+from daemon.metrics_server import MetricsServer
 from daemon.probes_component import ProbesComponent
+from daemon.reload import Reloader
 from daemon.routing_component import RoutingComponent, routing_config
+from daemon.sd_notify import Notifier
 from daemon.snapshot_component import SnapshotComponent
 
 log = logs.get("agent")
@@ -33,8 +43,10 @@ def software_version() -> str:
 
 
 class Agent:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
+        """config_path: the file config came from, reread on SIGHUP (None: defaults)."""
         self.config = config
+        self.version = software_version()
         self.router = Router()
         # The API comes first: claiming its socket is what stops a second agent on the same
         # host before it attaches probes a second time.
@@ -47,26 +59,41 @@ class Agent:
             config.node_id,
             routing_config(config.routing, config.load.degraded_at, config.load.overloaded_at),
             self.gossip, self.snapshot, self.router)
+        self.reloader = Reloader(config_path, self.probes, self.snapshot, self.gossip, self.routing)
+        registry = CollectorRegistry()
+        registry.register(AgentCollector(self))
+        ProcessCollector(registry=registry)
         self.components: list[Component] = [
             ApiServer(config.api.socket, self.router), self.probes, self.gpu, self.snapshot,
-            self.gossip, self.routing]
+            self.gossip, self.routing, MetricsServer(config.metrics.listen, registry)]
+        self.notifier = Notifier()
         self._started_wall = time.time()
         self._started_mono = time.monotonic()
         self.router.add("GET", "/healthz", self._healthz)
         self.router.add("GET", "/v1/status", self._status)
 
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
     async def run(self) -> int:
         """Run until a signal; return the process exit code."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+        reload_wanted = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig, stop)
+        # Before the components start: a SIGHUP meanwhile (which would otherwise end the
+        # process) is kept, and served once everything runs.
+        loop.add_signal_handler(signal.SIGHUP, reload_wanted.set)
         started: list[Component] = []
+        tasks: list[asyncio.Task[None]] = []
         code = 0
         try:
             for component in self.components:
                 if stop.is_set():
                     break
+                self.notifier.status(f"starting {component.name}")
                 try:
                     await component.start()
                 except StartupError as exc:
@@ -76,17 +103,53 @@ class Agent:
                 started.append(component)
             else:
                 log.info("node %s ready: %s", self.config.node_id, self._summary())
+                self.notifier.ready(self._status_line())
+                tasks.append(asyncio.create_task(self._reloads(reload_wanted), name="reload"))
+                interval = self.notifier.watchdog_interval_s
+                if interval is not None:
+                    tasks.append(asyncio.create_task(self._watchdog(interval), name="watchdog"))
                 await stop.wait()
         finally:
+            self.notifier.stopping()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for component in reversed(started):
                 try:
                     await component.stop()
                 except Exception:
                     log.exception("stopping %s failed", component.name)
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
         log.info("stopped")
         return code
+
+    async def _reloads(self, wanted: asyncio.Event) -> None:
+        while True:
+            await wanted.wait()
+            wanted.clear()
+            log.info("SIGHUP received, reloading %s", self.reloader.path or "(no file)")
+            self.notifier.reloading()
+            try:
+                self.config = await self.reloader.reload(self.config)
+            except Exception:
+                # A bug, not a bad file (the reloader reports those itself): the agent
+                # keeps serving, and the next SIGHUP tries again.
+                log.exception("reloading the configuration failed")
+            self.notifier.ready(self._status_line())
+
+    async def _watchdog(self, interval_s: float) -> None:
+        # On the event loop on purpose: a loop stuck in a blocking call stops the pings,
+        # and systemd restarts the agent after WatchdogSec.
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval_s)
+
+    def _status_line(self) -> str:
+        line = f"{self._overall()}: {self._summary()}"
+        if not self.reloader.last_ok:
+            line += "; last reload failed (see the log)"
+        return line
 
     @staticmethod
     def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:

@@ -41,7 +41,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     config = config_mod.load(args.config)
     logs.setup(config.log_level)
-    return asyncio.run(Agent(config).run())
+    return asyncio.run(Agent(config, args.config).run())
 
 
 def _shows(path: str, renderer: Callable[[Any], str]) -> Callable[[argparse.Namespace], int]:

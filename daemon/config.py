@@ -81,6 +81,10 @@ def _ip_port_or_any(value: str) -> str | None:
     return _ip_port(value, allow_any_port=True)
 
 
+def _ip_port_or_off(value: str) -> str | None:
+    return None if value == "" else _ip_port(value)
+
+
 def _optional_path(value: str) -> str | None:
     return None if not value or os.path.isabs(value) else f"must be an absolute path, got {value!r}"
 
@@ -219,7 +223,8 @@ class ApiConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    listen: str = _key("127.0.0.1:9464", _ip_port, "Prometheus exporter address")
+    listen: str = _key("127.0.0.1:9464", _ip_port_or_off, "address of the Prometheus exporter's "
+                       "HTTP /metrics (empty: no exporter)")
 
 
 @dataclass(frozen=True)

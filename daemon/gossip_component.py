@@ -7,6 +7,11 @@ for) would route on a view nobody else shares.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import socket
+from collections.abc import Sequence
+
 from daemon import logs
 from daemon.api_server import Router
 from daemon.config import GossipConfig, split_host_port
@@ -16,7 +21,7 @@ from daemon.snapshot_component import SnapshotComponent
 from gossip.config import GossipParams
 from gossip.keyring import Keyring, load_keyring
 from gossip.protocol import PeerView, format_addr
-from gossip.transport import GossipService
+from gossip.transport import GossipService, parse_seed
 
 log = logs.get("gossip")
 
@@ -86,6 +91,42 @@ class GossipComponent:
 
     def health(self) -> Health:
         return OK
+
+    def set_keyring(self, key_file: str, keyring: Keyring | None) -> None:
+        """Take a reloaded key file (a rotation step, or the mesh closed or opened)."""
+        self.config = dataclasses.replace(self.config, key_file=key_file)
+        if self.service is None:
+            return
+        self.service.set_keyring(keyring)
+        if keyring is None:
+            log.warning("no key file any more: the mesh is open")
+        else:
+            log.info("%d key(s) from %s, the first signs", len(keyring.keys), key_file)
+
+    async def set_seeds(self, seeds: Sequence[str]) -> None:
+        """Take reloaded seeds. Seeds only matter to a node that has no live peer: it
+        retries them until one answers, so a node left alone by wrong seeds joins through
+        the new ones. Names are resolved once here; the service re-resolves its seeds
+        every minute when it started with some."""
+        self.config = dataclasses.replace(self.config, seeds=tuple(seeds))
+        service = self.service
+        if service is None or service.core is None:
+            return
+        service.seeds = [parse_seed(s) for s in seeds]
+        family = socket.AF_INET6 if ":" in service.address[0] else socket.AF_INET
+        loop = asyncio.get_running_loop()
+        addrs: list[tuple[str, int]] = []
+        for host, port in service.seeds:
+            try:
+                infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM)
+            except (OSError, UnicodeError) as exc:
+                log.warning("cannot resolve seed %s: %s", format_addr((host, port)), exc)
+                continue
+            for *_, sockaddr in infos:
+                addr = (str(sockaddr[0]), int(sockaddr[1]))
+                if addr not in addrs:
+                    addrs.append(addr)
+        service.core.set_seeds(addrs)
 
     def views(self) -> dict[str, PeerView]:
         return {} if self.service is None else self.service.snapshots()

@@ -9,10 +9,11 @@ operator said they are required.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from http import HTTPStatus
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daemon import logs
 from daemon.api_server import Router
@@ -21,6 +22,9 @@ from daemon.health import OK, Health, State, StartupError
 from daemon.http import Request, Response
 from daemon.snapshot_builder import ModelFigures
 from probes.model_id import NO_MODEL
+
+if TYPE_CHECKING:
+    from probes.reader import LatencyCounts
 
 log = logs.get("probes")
 
@@ -112,6 +116,17 @@ class ProbesComponent:
 
     def report(self) -> dict[str, Any] | None:
         return None if self._reader is None else self._reader.report()
+
+    def latency_counts(self, bounds_s: Sequence[float]) -> Sequence[LatencyCounts]:
+        """Per-model time-to-first-byte histograms at bounds_s, since the probes started."""
+        return () if self._reader is None else self._reader.latency_counts(bounds_s)
+
+    async def set_ports(self, ports: Sequence[int]) -> None:
+        """Follow new serving ports without reloading the probes (a configuration reload);
+        ValueError when the probes cannot watch that many."""
+        if self._probes is not None:
+            await asyncio.to_thread(self._probes.set_ports, ports)
+        self.config = dataclasses.replace(self.config, ports=tuple(ports))
 
     def _fingerprints(self, _: Request) -> Response:
         report = self.report()

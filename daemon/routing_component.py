@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
+from collections import Counter
 from http import HTTPStatus
 from typing import Any
 
@@ -51,6 +53,12 @@ def now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
+def reason_label(reason: str) -> str:
+    """A router reason as a metric label: "stale view: no candidate has a fresh snapshot"
+    -> "stale_view". The router's reasons are a fixed set of phrases, so the labels are."""
+    return re.sub(r"[^a-z0-9]+", "_", reason.split(":")[0].lower()).strip("_")
+
+
 class RoutingComponent:
     name = "routing"
 
@@ -66,6 +74,11 @@ class RoutingComponent:
         self._alive: dict[str, bool] = {}
         self._first_update = True
         self._task: asyncio.Task[None] | None = None
+        # Answers given, for the exporter: (outcome "routed" or "no_peer", reason label),
+        # and clients' feedback by outcome. Counted here, on the request path, because
+        # the router keeps no history of its answers.
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        self.feedback: Counter[str] = Counter()
         api.add("GET", "/v1/best", self._best)
         api.add("POST", "/v1/feedback", self._feedback)
 
@@ -84,6 +97,12 @@ class RoutingComponent:
 
     def health(self) -> Health:
         return OK
+
+    def reconfigure(self, config: RoutingConfig) -> None:
+        """Take reloaded routing settings. The router is rebuilt, so open circuits and
+        this node's own-send corrections start afresh; the candidates are back at once."""
+        self.router = Router(config)
+        self._update()
 
     async def _follow(self) -> None:
         while True:
@@ -125,7 +144,9 @@ class RoutingComponent:
             raise HttpError(HTTPStatus.BAD_REQUEST, f"at most {MAX_EXCLUDE} excluded peers")
         answer = self.router.best(model, request.query.get("session") or None, exclude, now_ms())
         if isinstance(answer, Decision):
+            self.decisions["routed", reason_label(answer.reason)] += 1
             return Response.json(dataclasses.asdict(answer))
+        self.decisions["no_peer", reason_label(answer.reason)] += 1
         body: dict[str, Any] = dataclasses.asdict(answer)
         body["error"] = f"no peer for model {model!r}: {answer.reason}"
         return Response.json(body, HTTPStatus.SERVICE_UNAVAILABLE)
@@ -146,4 +167,5 @@ class RoutingComponent:
             known = self.router.feedback(node_id, outcome, float(latency), now_ms())
         except ValueError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        self.feedback[outcome] += 1
         return Response.json({"node_id": node_id, "known": known})

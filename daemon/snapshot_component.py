@@ -89,6 +89,7 @@ class SnapshotComponent:
         self._stopping = False
         self._health = OK
         self._draining = False
+        self._host_name = ""
         router.add("GET", "/v1/snapshot", self._get_snapshot)
         router.add("POST", "/v1/drain", lambda _: self._set_draining(True))
         router.add("POST", "/v1/undrain", lambda _: self._set_draining(False))
@@ -116,9 +117,9 @@ class SnapshotComponent:
         self._draining = self._drain_flag.exists()
         if self._draining:
             log.warning("starting drained (%s exists): `loadmesh undrain` ends it", self._drain_flag)
-        endpoints = [Endpoint(advertise_host(self.config), port) for port in self.config.probes.ports]
+        self._host_name = advertise_host(self.config)
         self._builder = SnapshotBuilder(
-            self.config.node_id, endpoints,
+            self.config.node_id, self._endpoints(),
             VersionClock(VersionStore(self._state_dir / "version")),
             ChangeDetector(heartbeat_ms=self.config.load.heartbeat_ms),
             score_config(self.config))
@@ -138,6 +139,19 @@ class SnapshotComponent:
 
     def health(self) -> Health:
         return self._health
+
+    def reconfigure(self, config: Config) -> None:
+        """Take a reloaded configuration's serving ports and score settings. The host
+        peers are sent to stays: `advertise` needs a restart. Peers hear of new endpoints
+        at once (an urgent change), of score settings as the score moves."""
+        self.config = config
+        if self._builder is not None:
+            self._builder.endpoints = self._endpoints()
+            self._builder.score_config = score_config(config)
+        self._wake.set()
+
+    def _endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(Endpoint(self._host_name, port) for port in self.config.probes.ports)
 
     async def _run(self) -> None:
         period = self.config.load.tick_ms / 1000

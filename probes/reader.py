@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -62,6 +63,17 @@ class ModelStats:
 
 
 @dataclass(frozen=True)
+class LatencyCounts:
+    """One model's time-to-first-byte histogram since the probes started, all serving
+    ports and statuses together, at the bounds latency_counts() was asked for."""
+
+    model: str
+    cumulative: tuple[int, ...]  # responses under each bound's nearest bucket edge
+    count: int
+    sum_s: float  # from bucket midpoints: within 1/32 of the true sum
+
+
+@dataclass(frozen=True)
 class _Interval:
     """Deltas between two polls."""
 
@@ -77,6 +89,7 @@ class _State:
     report: dict[str, Any]
     models: tuple[ModelStats, ...]
     names: Mapping[int, str]
+    histograms: Mapping[tuple[int, int, int, int], int]  # the kernel's, since the start
 
 
 def model_name(model_id: int, names: Mapping[int, str]) -> str:
@@ -84,6 +97,15 @@ def model_name(model_id: int, names: Mapping[int, str]) -> str:
         return "-"
     # a name missing means the models map was full (counted in errors.models_full)
     return names.get(model_id, f"#{model_id:016x}")
+
+
+def nearest_edge_ns(bound_ns: float) -> int:
+    """The bucket edge nearest to bound_ns. Buckets cannot be split, so "at most
+    bound_ns" can only be answered as "below this edge", which is at most half a bucket,
+    1/32 (3.1%) of the bound, away from it."""
+    v = min(max(round(bound_ns), 0), buckets.MAX_VALUE)
+    lo, hi = buckets.bounds(buckets.index(v))
+    return lo if v - lo <= hi - v else hi
 
 
 def _delta(cur: int, prev: int) -> int:
@@ -117,7 +139,8 @@ class FingerprintReader:
         self._stats: dict[FlowKey, FlowStats] = {}
         self._rows: dict[FlowKey, dict[str, Any]] = {}
         empty = MapSnapshot(mono_ns=time.monotonic_ns())
-        self._state = _State(self._build_report(empty, (), {}), (), MappingProxyType({}))
+        self._state = _State(self._build_report(empty, (), {}), (), MappingProxyType({}),
+                             MappingProxyType({}))
 
     def poll(self, now: float) -> None:
         """Reads the maps and publishes new figures. now: time.monotonic() seconds.
@@ -129,7 +152,8 @@ class FingerprintReader:
             self._window.popleft()
         models = self._model_stats(snap)
         report = self._build_report(snap, models, self._port_rates())
-        self._state = _State(report, models, MappingProxyType(dict(snap.models)))
+        self._state = _State(report, models, MappingProxyType(dict(snap.models)),
+                             MappingProxyType(snap.histograms))
         idle_ns = int(self.flow_idle_s * 1e9)
         idle = [k for k, v in snap.flows.items() if snap.mono_ns - v[3] > idle_ns]
         if idle:
@@ -146,6 +170,32 @@ class FingerprintReader:
     def model_names(self) -> Mapping[int, str]:
         """model_id -> name of every model the probes have seen."""
         return self._state.names
+
+    def latency_counts(self, bounds_s: Sequence[float]) -> tuple[LatencyCounts, ...]:
+        """Per model, by name, since the probes started: how many responses came within
+        each of bounds_s (ascending, in seconds), each bound taken at its nearest bucket
+        edge (nearest_edge_ns). For a Prometheus histogram; cheap enough to call from the
+        event loop on each scrape (one pass over the histogram entries in use)."""
+        state = self._state
+        edges = [nearest_edge_ns(b * 1e9) for b in bounds_s]
+        per_bound: dict[int, list[int]] = {}  # model_id -> responses first counted at bound i
+        sums: dict[int, float] = {}
+        for (model, _port, _status, bucket), n in state.histograms.items():
+            # A bucket is under an edge when its last value is: the first such bound is
+            # where it starts to count; the final slot holds buckets above every bound.
+            first = bisect_left(edges, buckets.bounds(bucket)[1])
+            slots = per_bound.setdefault(model, [0] * (len(edges) + 1))
+            slots[first] += n
+            sums[model] = sums.get(model, 0.0) + buckets.midpoint(bucket) * n
+        out = []
+        for model, slots in per_bound.items():
+            running, cumulative = 0, []
+            for n in slots[:-1]:
+                running += n
+                cumulative.append(running)
+            out.append(LatencyCounts(model_name(model, state.names), tuple(cumulative),
+                                     running + slots[-1], sums[model] / 1e9))
+        return tuple(sorted(out, key=lambda c: c.model))
 
     # ---- inside poll ----
 

@@ -21,6 +21,9 @@ command -v apt-get >/dev/null || die "no apt-get: this script knows Debian and i
 packages=(
   python3 python3-venv python3-dev python3-bpfcc bpfcc-tools linux-headers-amd64
   iproute2 nftables curl procps
+  # the operations tests: promtool and a Prometheus server, systemd-analyze, and libseccomp
+  # to apply the unit's system call filter where systemd is not PID 1
+  prometheus systemd python3-seccomp
 )
 [ "${1:-}" = --bench ] && packages+=(nginx-light wrk)
 missing=()
@@ -32,6 +35,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # The tests start their own Prometheus; one that Debian's package enabled and started
+  # on :9090 would only be a surprise on a developer's host.
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
 fi
 
 # BCC compiles the probes at run time against kernel headers. A kernel without its own

@@ -80,14 +80,15 @@ def run_dir() -> Iterator[Path]:
 
 def agent_config(socket_path: Path | str, node_id: str = "test-node", extra: str = "",
                  probes: str = "interfaces = []",
-                 gossip: str = 'bind = "127.0.0.1:0"') -> str:
+                 gossip: str = 'bind = "127.0.0.1:0"', metrics: str = 'listen = ""') -> str:
     """A test agent's config: its own node id, socket and state directory (beside the
     socket), probes off unless the test attaches them somewhere, gossip on a free loopback
-    port unless the test builds a mesh, then what the test adds."""
+    port unless the test builds a mesh, no metrics exporter unless the test scrapes one (they
+    would all want port 9464), then what the test adds."""
     state_dir = Path(socket_path).parent / f"state-{node_id}"
     return (f'node_id = "{node_id}"\nstate_dir = "{state_dir}"\n{extra}\n'
             f'[api]\nsocket = "{socket_path}"\n[probes]\n{probes}\n'
-            f'[gossip]\n{gossip}\n')
+            f'[gossip]\n{gossip}\n[metrics]\n{metrics}\n')
 
 
 @pytest.fixture

@@ -1,0 +1,245 @@
+"""The agent in Prometheus terms, read from the components at scrape time.
+
+Nothing here counts on its own: each scrape reads what the components already hold (the
+probe reader's latest report and histograms, the published LoadSnapshot, the gossip
+core's counters, the routing component's answer counts), so /metrics can never disagree
+with the local API. collect() runs on the event loop, the one thread that changes that
+state (daemon/metrics_server.py calls it there), so it takes no locks and sees no dict
+change size under it.
+
+Names follow the Prometheus conventions: base units (seconds, bytes, ratios of 0..1),
+`_total` on counters, prefix loadmesh_. docs/operations.md lists every family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from daemon.gossip_component import GossipComponent
+from daemon.gpu_component import GpuComponent
+from daemon.health import Component, State
+from daemon.probes_component import ProbesComponent
+from daemon.reload import Reloader
+from daemon.routing_component import RoutingComponent
+from daemon.snapshot_component import SnapshotComponent
+from gossip.membership import PeerState
+from gossip.snapshot import LoadSnapshot
+from gossip.snapshot import State as NodeState
+
+# vLLM's time-to-first-token buckets (vllm:time_to_first_token_seconds), so that a
+# server's own histogram and the wire's can be put side by side bucket for bucket.
+TTFB_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+MIB = 1 << 20
+
+# Gossip core counters with a family of their own; every other counter (pulls, syncs,
+# state changes, socket errors) goes to loadmesh_gossip_events_total by name.
+_GOSSIP_TRAFFIC = {
+    "datagrams_sent": "loadmesh_gossip_datagrams_sent",
+    "datagrams_received": "loadmesh_gossip_datagrams_received",
+    "bytes_sent": "loadmesh_gossip_sent_bytes",
+    "bytes_received": "loadmesh_gossip_received_bytes",
+}
+_DROP = "drop_"
+
+
+class AgentView(Protocol):
+    """What the exporter reads from the agent."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def components(self) -> Sequence[Component]: ...
+    @property
+    def probes(self) -> ProbesComponent: ...
+    @property
+    def gpu(self) -> GpuComponent: ...
+    @property
+    def snapshot(self) -> SnapshotComponent: ...
+    @property
+    def gossip(self) -> GossipComponent: ...
+    @property
+    def routing(self) -> RoutingComponent: ...
+    @property
+    def reloader(self) -> Reloader: ...
+
+
+class AgentCollector(Collector):
+    def __init__(self, agent: AgentView) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self._node()
+        snap = self.agent.snapshot.current
+        yield from self._host(snap)
+        yield from self._gpus(snap)
+        yield from self._requests()
+        yield from self._mesh()
+        yield from self._routing()
+
+    def _node(self) -> Iterator[Metric]:
+        a = self.agent
+        info = GaugeMetricFamily("loadmesh_node_info", "This agent: its node id in the mesh "
+                                 "and its software version (always 1).",
+                                 labels=["node_id", "version"])
+        info.add_metric([a.node_id, a.version], 1)
+        yield info
+        components = GaugeMetricFamily(
+            "loadmesh_component_state", "Each component's state (1 for the current one): ok, "
+            "degraded (running without something, see /healthz), off (absent on this host).",
+            labels=["component", "state"])
+        for c in a.components:
+            current = c.health().state
+            for state in State:
+                components.add_metric([c.name, state.value], float(state is current))
+        yield components
+        yield GaugeMetricFamily("loadmesh_config_last_reload_successful",
+                                "Whether the last configuration reload (SIGHUP) succeeded.",
+                                value=float(a.reloader.last_ok))
+        yield GaugeMetricFamily("loadmesh_config_last_reload_success_timestamp_seconds",
+                                "When the configuration was last loaded (start or reload), "
+                                "Unix time.", value=a.reloader.last_success_s)
+
+    def _host(self, snap: LoadSnapshot | None) -> Iterator[Metric]:
+        score = GaugeMetricFamily("loadmesh_node_load_score", "This node's load score as "
+                                  "published to peers: 0 idle .. 1 saturated (docs/snapshot.md).")
+        state = GaugeMetricFamily("loadmesh_node_state", "This node's published state "
+                                  "(1 for the current one).", labels=["state"])
+        cpu = GaugeMetricFamily("loadmesh_host_cpu_utilization_ratio",
+                                "Host CPU busy share, 0..1, as published.")
+        mem_used = GaugeMetricFamily("loadmesh_host_memory_used_bytes",
+                                     "Host memory in use, as published (MiB resolution).")
+        mem_total = GaugeMetricFamily("loadmesh_host_memory_total_bytes", "Host memory.")
+        load1 = GaugeMetricFamily("loadmesh_host_load1", "Host 1-minute load average.")
+        pressure = GaugeMetricFamily("loadmesh_host_cpu_pressure_ratio", "CPU pressure (PSI "
+                                     "some avg10), 0..1; absent without PSI.")
+        if snap is not None:
+            score.add_metric([], snap.score)
+            for s in NodeState:
+                state.add_metric([s.value], float(s is snap.state))
+            h = snap.host
+            cpu.add_metric([], h.cpu_util)
+            mem_used.add_metric([], h.mem_used_mib * MIB)
+            mem_total.add_metric([], h.mem_total_mib * MIB)
+            load1.add_metric([], h.load1)
+            if h.cpu_pressure_pct is not None:
+                pressure.add_metric([], h.cpu_pressure_pct / 100)
+        yield from (score, state, cpu, mem_used, mem_total, load1, pressure)
+
+    def _gpus(self, snap: LoadSnapshot | None) -> Iterator[Metric]:
+        ids = ["gpu", "uuid"]
+        info = GaugeMetricFamily("loadmesh_gpu_info", "Each GPU NVML shows (always 1).",
+                                 labels=[*ids, "name"])
+        healthy = GaugeMetricFamily("loadmesh_gpu_healthy", "1 while NVML answers for the GPU; "
+                                    "0 and no other figure while it fails.", labels=ids)
+        util = GaugeMetricFamily("loadmesh_gpu_utilization_ratio", "Share of the last sample "
+                                 "period a kernel ran on the GPU, 0..1.", labels=ids)
+        used = GaugeMetricFamily("loadmesh_gpu_memory_used_bytes", "GPU memory in use "
+                                 "(MiB resolution).", labels=ids)
+        total = GaugeMetricFamily("loadmesh_gpu_memory_total_bytes", "GPU memory.", labels=ids)
+        temp = GaugeMetricFamily("loadmesh_gpu_temperature_celsius", "GPU core temperature.",
+                                 labels=ids)
+        power = GaugeMetricFamily("loadmesh_gpu_power_watts", "GPU power draw.", labels=ids)
+        limit = GaugeMetricFamily("loadmesh_gpu_power_limit_watts", "GPU power limit.",
+                                  labels=ids)
+        devices = {d.index: d for d in self.agent.gpu.devices}
+        for d in devices.values():
+            info.add_metric([str(d.index), d.uuid, d.name], 1)
+        for g in () if snap is None else snap.gpus:
+            labels = [str(g.index), devices[g.index].uuid if g.index in devices else ""]
+            healthy.add_metric(labels, float(g.healthy))
+            if not g.healthy:
+                continue  # its figures are zeros, not measurements
+            util.add_metric(labels, g.util_pct / 100)
+            used.add_metric(labels, g.mem_used_mib * MIB)
+            total.add_metric(labels, g.mem_total_mib * MIB)
+            temp.add_metric(labels, g.temp_c)
+            power.add_metric(labels, g.power_w)
+            limit.add_metric(labels, g.power_limit_w)
+        yield from (info, healthy, util, used, total, temp, power, limit)
+
+    def _requests(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "loadmesh_requests", "HTTP responses of the inference servers on this host, seen "
+            "by the eBPF probes since the agent started, by model and status code.",
+            labels=["model", "code"])
+        in_flight = GaugeMetricFamily("loadmesh_requests_in_flight", "Requests sent to this "
+                                      "host's inference servers and not answered yet.",
+                                      labels=["model"])
+        ttfb = HistogramMetricFamily(
+            "loadmesh_time_to_first_byte_seconds",
+            "Time from a request's first byte to its response's first byte on the wire (time "
+            "to first token for a streamed answer), since the agent started. Buckets are "
+            "vLLM's time-to-first-token buckets; each counts up to the eBPF bucket edge "
+            "nearest to it, at most 1/32 (3.1%) of the bound away (docs/operations.md "
+            "lists them); the sum comes from bucket midpoints, within 3.1%.",
+            labels=["model"])
+        errors = CounterMetricFamily("loadmesh_probe_errors", "Probe events that lost or "
+                                     "misfiled a request, by reason (docs/probes.md).",
+                                     labels=["reason"])
+        probes = self.agent.probes
+        report = probes.report()
+        if report is not None:
+            for row in report["models"]:
+                for code, n in row["status"].items():
+                    requests.add_metric([row["model"], code], n)
+                in_flight.add_metric([row["model"]], row["inflight"])
+            for reason, n in sorted(report["errors"].items()):
+                errors.add_metric([reason], n)
+        # Spelled as vLLM's client library spells them, so le="1.0" is the same bucket in both.
+        les = [floatToGoString(b) for b in TTFB_BUCKETS_S]
+        for h in probes.latency_counts(TTFB_BUCKETS_S):
+            ttfb.add_metric([h.model], [*zip(les, h.cumulative, strict=True), ("+Inf", h.count)],
+                            h.sum_s)
+        yield from (requests, in_flight, ttfb, errors)
+
+    def _mesh(self) -> Iterator[Metric]:
+        peers = GaugeMetricFamily("loadmesh_peers", "Other nodes in this node's table, by "
+                                  "state (dead ones are kept until reaped).", labels=["state"])
+        traffic = {key: CounterMetricFamily(name, f"Gossip {key.replace('_', ' ')}.")
+                   for key, name in _GOSSIP_TRAFFIC.items()}
+        dropped = CounterMetricFamily("loadmesh_gossip_dropped", "Gossip datagrams, or records "
+                                      "inside one, dropped, by reason.", labels=["reason"])
+        events = CounterMetricFamily("loadmesh_gossip_events", "Other gossip protocol events "
+                                     "(pulls, syncs, peer state changes, socket errors).",
+                                     labels=["event"])
+        service = self.agent.gossip.service
+        if service is not None:
+            by_state = dict.fromkeys((s.value for s in PeerState), 0)
+            for peer in service.peers():
+                if peer["node_id"] != self.agent.node_id:
+                    by_state[str(peer["state"])] += 1
+            for state, n in by_state.items():
+                peers.add_metric([state], n)
+            counts = service.counters()
+            for key, family in traffic.items():
+                family.add_metric([], counts.get(key, 0))
+            for key, n in sorted(counts.items()):
+                if key.startswith(_DROP):
+                    dropped.add_metric([key.removeprefix(_DROP)], n)
+                elif key not in _GOSSIP_TRAFFIC:
+                    events.add_metric([key], n)
+        yield from (peers, *traffic.values(), dropped, events)
+
+    def _routing(self) -> Iterator[Metric]:
+        routing = self.agent.routing
+        decisions = CounterMetricFamily(
+            "loadmesh_route_decisions", "Answers to `best peer` requests: outcome routed or "
+            "no_peer, and the router's reason.", labels=["outcome", "reason"])
+        for (outcome, reason), n in sorted(routing.decisions.items()):
+            decisions.add_metric([outcome, reason], n)
+        feedback = CounterMetricFamily("loadmesh_route_feedback", "Clients' reports on routed "
+                                       "requests, by outcome.", labels=["outcome"])
+        for outcome, n in sorted(routing.feedback.items()):
+            feedback.add_metric([outcome], n)
+        yield from (decisions, feedback)
