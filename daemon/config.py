@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from daemon.score import ScoreWeights
+from gossip.config import GossipParams
+
+_GOSSIP = GossipParams()
 
 Check = Callable[[Any], str | None]
 
@@ -187,13 +190,15 @@ class GossipConfig:
     key_file: str = _key("", _optional_path, "HMAC keys, one per line, the first signs "
                          "(empty: an open mesh)")
     discovery: bool = _key(False, doc="find peers on the LAN by mDNS (_loadmesh._udp.local.)")
-    max_datagram: int = _key(1400, _between(512, 65_507), "largest datagram sent or accepted, "
-                             "the same on every node")
-    suspect_after_ms: int = _key(3000, _between(100, 3_600_000),
+    # The defaults are the gossip package's, chosen by measurement (docs/gossip.md).
+    max_datagram: int = _key(_GOSSIP.max_datagram, _between(512, 65_507),
+                             "largest datagram sent or accepted, the same on every node")
+    suspect_after_ms: int = _key(_GOSSIP.suspect_after_ms, _between(100, 3_600_000),
                                  "a peer whose version stood still this long is suspect")
-    dead_after_ms: int = _key(4500, _between(200, 3_600_000), "... and dead (not routed to)")
-    reap_after_ms: int = _key(600_000, _between(1000, 86_400_000), "... and forgotten")
-    max_peers: int = _key(4096, _between(1, 1_000_000), "bound of the peer table")
+    dead_after_ms: int = _key(_GOSSIP.dead_after_ms, _between(200, 3_600_000),
+                              "... and dead (not routed to)")
+    reap_after_ms: int = _key(_GOSSIP.reap_after_ms, _between(1000, 86_400_000), "... and forgotten")
+    max_peers: int = _key(_GOSSIP.max_peers, _between(1, 1_000_000), "bound of the peer table")
 
     def __post_init__(self) -> None:
         if not self.suspect_after_ms < self.dead_after_ms < self.reap_after_ms:

@@ -28,7 +28,7 @@ class GossipParams:
     beat_retransmit_mult: int = 2
     # A round may send a peer several compound datagrams when the queue holds more than
     # one: at 1000 nodes one datagram per peer cannot carry the announcements (docs).
-    max_datagrams_per_peer: int = 8
+    max_datagrams_per_peer: int = 4
     # A node whose own version did not move for this long announces a beat: the same
     # version with a later timestamp. Beats are what failure detection hears.
     beat_interval_ms: int = 1500
@@ -37,11 +37,11 @@ class GossipParams:
     scale_nodes: int = 100
     # Failure detection: measured from the local receive time of the last newer
     # (version, timestamp), never from the peer's clock.
-    suspect_after_ms: int = 3000
-    dead_after_ms: int = 4500
+    suspect_after_ms: int = 2800
+    dead_after_ms: int = 3800
     reap_after_ms: int = 600_000
     # A suspect is asked directly for a fresh beat this often until alive or dead.
-    probe_interval_ms: int = 400
+    probe_interval_ms: int = 200
     # An urgent snapshot is relayed at once, on first receipt, to this many peers; at
     # most urgent_relays_per_s of them (a burst of twice that), so that a fleet starting
     # at once (every first snapshot is urgent) does not flood: beyond it, the rounds

@@ -12,7 +12,9 @@ How news travels (docs/gossip.md has the figures):
    queues an announcement (node key, version, beat) of 20 bytes.
 2. rounds: every interval_ms, to `fanout` random live peers, compound datagrams of queued
    announcements, the node's own first, then least-sent first; each is sent at most
-   RetransmitMult * ceil(log10(N + 1)) times by each node that has the content.
+   RetransmitMult * ceil(log10(N + 1)) times by each node that has the content. A peer
+   contacted by a round answers with its own queued announcements (push-pull rumour
+   mongering), which spreads news twice as fast for the same number of sends.
 3. pull: a node hearing of a version newer than the one it holds asks the announcer for
    it, giving the version it has; the answer is a delta from that version when the
    announcer can make one, else the full snapshot. So content crosses each link about
@@ -24,7 +26,8 @@ How news travels (docs/gossip.md has the figures):
 
 A node that has published nothing new for beat_interval announces a beat: the same
 version, vouched for later. Peers judge liveness only by when they received a newer
-(version, beat), by their own clock.
+(version, beat), by their own clock; a peer that turns suspect is asked directly for a
+fresh beat (gossip/suspicion.py), so lost beats do not kill a live node.
 """
 
 from __future__ import annotations
@@ -333,10 +336,22 @@ class GossipCore:
             # most `limit` times, only sooner, so the news spreads about twice as fast
             # for the same bytes, and the last nodes to hear it are found by pull rather
             # than by chance.
-            reply = self.queue.take(self._entry_cap, first=self.key, skip={k for k, _, _ in entries})
+            reply = self.queue.take(self._entry_cap, first=self.key, skip=self._known_to_sender(entries))
             if reply:
                 out += self._count_sent([(addr, wire.seal(Kind.GOSSIP, self.key, wire.pack_entries(reply), self.keyring))])
         return out
+
+    def _known_to_sender(self, entries: list[tuple[int, int, int]]) -> set[int]:
+        """The nodes whose latest news the sender of `entries` already has."""
+        get, own_key = self.table.get, self.key
+        known = set()
+        for k, v, b in entries:
+            if k == own_key:
+                if self._own is not None and (v, b) >= (self._own.version, self._own_beat):
+                    known.add(k)
+            elif (peer := get(k)) is not None and (v, b) >= (peer.version, peer.beat):
+                known.add(k)
+        return known
 
     def _absorb(self, entries: Iterable[tuple[int, int, int]], addr: Addr, now: int) -> list[tuple[int, int]]:
         """Take the news in announcements; the (key, version held) to pull."""
@@ -384,15 +399,15 @@ class GossipCore:
         probed = False
         for key, have in wire.unpack_wants(dg.body):
             if key == self.key and self._own is not None:
-                # A probe: the asker suspects this node. Vouch for the version as of now,
-                # in the content if the asker lacks it, else in an announcement; and
-                # announce a beat to all, as the others are about to suspect it too
-                # (unless a beat is already on its way: one per beat interval at most).
-                if now - self._own_moved_at >= self.params.beat_interval_ms:
-                    self._beat(now)
-                else:
-                    self._own_beat = max(self._own_beat, min(now - self._published_at, wire.MAX_U32))
-                probed = self._own.version <= have
+                # Vouch for this node's version as of now, in whatever answers.
+                self._own_beat = max(self._own_beat, min(now - self._published_at, wire.MAX_U32))
+                if have >= self._own.version:
+                    # A probe: the asker holds the latest version and suspects this node.
+                    # Answer with an announcement, and announce a beat to all, as the
+                    # others are about to suspect it too (one per beat interval at most).
+                    probed = True
+                    if now - self._own_moved_at >= self.params.beat_interval_ms:
+                        self._beat(now)
             record = self._record_for(key, have)
             if record is not None:
                 records.append(record)
@@ -545,8 +560,9 @@ class GossipCore:
         out: Outgoing = []
         for peer in self.table.sample_live(self.params.fanout, self.rng):
             flags = wire.FLAG_REPLY
+            sent: set[int] = set()  # a peer gets each entry once a round, however many datagrams
             for _ in range(self.params.max_datagrams_per_peer):
-                entries = self.queue.take(self._entry_cap, first=self.key)
+                entries = self.queue.take(self._entry_cap, first=self.key, skip=sent)
                 if not entries:
                     break
                 out.append((peer.gossip_addr, wire.seal(Kind.GOSSIP, self.key, wire.pack_entries(entries),
@@ -554,6 +570,7 @@ class GossipCore:
                 flags = 0
                 if len(entries) < self._entry_cap:
                     break
+                sent.update(k for k, _, _ in entries)
         return self._count_sent(out)
 
     def _count_sent(self, out: Outgoing) -> Outgoing:

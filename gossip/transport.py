@@ -298,7 +298,7 @@ class GossipService:
         for host, port in self.seeds:
             try:
                 infos = await self._loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM)
-            except OSError as e:
+            except (OSError, UnicodeError) as e:  # IDNA refuses some names with UnicodeError
                 log.warning("gossip: cannot resolve seed %s: %s", format_addr((host, port)), e)
                 continue
             for *_, sockaddr in infos:

@@ -57,8 +57,13 @@ def query(base: str, expr: str) -> dict[str, Any]:
     try:
         with urllib.request.urlopen(url, timeout=10) as resp:
             return json.load(resp)
-    except urllib.error.HTTPError as exc:  # 400 for a query that does not parse
-        return json.load(exc)
+    except urllib.error.HTTPError as exc:
+        # 400 for a query that does not parse (a JSON error); a plain-text 503 while
+        # Prometheus is still starting.
+        try:
+            return json.load(exc)
+        except json.JSONDecodeError:
+            return {"status": f"http {exc.code}"}
     except (urllib.error.URLError, ConnectionError):
         return {"status": "unreachable"}
 
