@@ -13,7 +13,8 @@ from http import HTTPStatus
 
 from daemon import logs, unix_socket
 from daemon.health import OK, Health, StartupError
-from daemon.http import MAX_HEAD_BYTES, HttpError, Request, Response, parse_head
+from daemon.http import MAX_HEAD_BYTES, HttpError, Request, Response
+from daemon.http_server import Connections
 
 Handler = Callable[[Request], Response]
 
@@ -66,7 +67,8 @@ class ApiServer:
         self.router = router
         self._server: asyncio.AbstractServer | None = None
         self._inode = 0
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections = Connections(router.dispatch, MAX_CONNECTIONS, IDLE_TIMEOUT_S,
+                                        REQUEST_TIMEOUT_S)
 
     async def start(self) -> None:
         try:
@@ -74,17 +76,14 @@ class ApiServer:
         except (unix_socket.SocketInUse, OSError) as exc:
             raise StartupError(str(exc)) from None
         self._server = await asyncio.start_unix_server(
-            self._on_connection, sock=sock, limit=MAX_HEAD_BYTES)
+            self._connections.handle, sock=sock, limit=MAX_HEAD_BYTES)
         log.info("listening on %s", self.path)
 
     async def stop(self) -> None:
         if self._server is None:
             return
         self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        if self._connections:
-            await asyncio.gather(*self._connections, return_exceptions=True)
+        await self._connections.close_all()
         await self._server.wait_closed()
         self._server = None
         unix_socket.release(self.path, self._inode)
@@ -92,55 +91,3 @@ class ApiServer:
 
     def health(self) -> Health:
         return OK
-
-    async def _on_connection(self, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        try:
-            if len(self._connections) > MAX_CONNECTIONS:
-                writer.write(Response.error(HTTPStatus.SERVICE_UNAVAILABLE,
-                                            "too many connections").encode(keep_alive=False))
-                await writer.drain()
-                return
-            await self._serve(reader, writer)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            self._connections.discard(task)
-            writer.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                async with asyncio.timeout(IDLE_TIMEOUT_S):
-                    first = await reader.read(1)
-                if not first:
-                    return  # the client closed between requests: the normal end
-                async with asyncio.timeout(REQUEST_TIMEOUT_S):
-                    head = first + await reader.readuntil(b"\r\n\r\n")
-                    request = parse_head(head)
-                    if request.content_length:
-                        request.body = await reader.readexactly(request.content_length)
-            except TimeoutError:
-                return
-            except asyncio.IncompleteReadError:
-                return  # closed mid-request: nobody is left to answer
-            except asyncio.LimitOverrunError:
-                await self._refuse(writer, HttpError(
-                    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request head too large"))
-                return
-            except HttpError as exc:
-                await self._refuse(writer, exc)
-                return
-            writer.write(self.router.dispatch(request).encode(request.keep_alive))
-            await writer.drain()
-            if not request.keep_alive:
-                return
-
-    @staticmethod
-    async def _refuse(writer: asyncio.StreamWriter, error: HttpError) -> None:
-        writer.write(Response.error(error.status, error.message).encode(keep_alive=False))
-        await writer.drain()
-

@@ -21,7 +21,8 @@ from prometheus_client.registry import CollectorRegistry
 from daemon import logs
 from daemon.config import split_host_port
 from daemon.health import OK, Health, State
-from daemon.http import MAX_HEAD_BYTES, HttpError, Request, Response, parse_head
+from daemon.http import MAX_HEAD_BYTES, Request, Response
+from daemon.http_server import Connections
 
 log = logs.get("metrics")
 
@@ -43,7 +44,8 @@ class MetricsServer:
         self.listen = listen
         self.registry = registry
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections = Connections(self._answer, MAX_CONNECTIONS, IDLE_TIMEOUT_S,
+                                        REQUEST_TIMEOUT_S)
         self._health = Health(State.OFF, "not started")
 
     async def start(self) -> None:
@@ -53,7 +55,7 @@ class MetricsServer:
         host, port = split_host_port(self.listen)
         try:
             self._server = await asyncio.start_server(
-                self._on_connection, host, port, limit=MAX_HEAD_BYTES, reuse_address=True)
+                self._connections.handle, host, port, limit=MAX_HEAD_BYTES, reuse_address=True)
         except OSError as exc:
             self._health = Health(State.DEGRADED,
                                   f"cannot listen on {self.listen}: {exc.strerror or exc}")
@@ -66,56 +68,12 @@ class MetricsServer:
         if self._server is None:
             return
         self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        if self._connections:
-            await asyncio.gather(*self._connections, return_exceptions=True)
+        await self._connections.close_all()
         await self._server.wait_closed()
         self._server = None
 
     def health(self) -> Health:
         return self._health
-
-    async def _on_connection(self, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        try:
-            if len(self._connections) > MAX_CONNECTIONS:
-                await self._send(writer, Response.error(HTTPStatus.SERVICE_UNAVAILABLE,
-                                                        "too many connections"), False)
-                return
-            while await self._serve_one(reader, writer):
-                pass
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            self._connections.discard(task)
-            writer.close()
-
-    async def _serve_one(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> bool:
-        """Answer one request; False when the connection is over."""
-        try:
-            async with asyncio.timeout(IDLE_TIMEOUT_S):
-                first = await reader.read(1)
-            if not first:
-                return False
-            async with asyncio.timeout(REQUEST_TIMEOUT_S):
-                request = parse_head(first + await reader.readuntil(b"\r\n\r\n"))
-                await reader.readexactly(request.content_length)
-        except (TimeoutError, asyncio.IncompleteReadError):
-            return False
-        except asyncio.LimitOverrunError:
-            await self._send(writer, Response.error(
-                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request head too large"), False)
-            return False
-        except HttpError as exc:
-            await self._send(writer, Response.error(exc.status, exc.message), False)
-            return False
-        await self._send(writer, self._answer(request), request.keep_alive)
-        return request.keep_alive
 
     def _answer(self, request: Request) -> Response:
         if request.path != "/metrics":
@@ -130,8 +88,3 @@ class MetricsServer:
             log.exception("collecting the metrics failed")
             return Response.error(HTTPStatus.INTERNAL_SERVER_ERROR, "collecting the metrics failed")
         return Response(HTTPStatus.OK, body, CONTENT_TYPE)
-
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, response: Response, keep_alive: bool) -> None:
-        writer.write(response.encode(keep_alive))
-        await writer.drain()

@@ -1,0 +1,79 @@
+"""Serving HTTP/1.1 connections on asyncio streams, for any listener the agent opens (the
+local API's Unix socket, the Prometheus exporter's TCP port).
+
+One request at a time per connection, keep-alive, answered by a synchronous dispatch
+function. What a client can make the agent hold is bounded: the number of connections,
+the head size (the stream limit), the time to finish a request, the idle time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from http import HTTPStatus
+
+from daemon.http import HttpError, Request, Response, parse_head
+
+Dispatch = Callable[[Request], Response]
+
+
+class Connections:
+    def __init__(self, dispatch: Dispatch, max_connections: int, idle_timeout_s: float,
+                 request_timeout_s: float = 5.0) -> None:
+        self.dispatch = dispatch
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def close_all(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The stream server's callback: serves one connection until it ends."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            if len(self._tasks) > self.max_connections:
+                await _send(writer, Response.error(HTTPStatus.SERVICE_UNAVAILABLE,
+                                                   "too many connections"), keep_alive=False)
+                return
+            await self._serve(reader, writer)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self.idle_timeout_s):
+                    first = await reader.read(1)
+                if not first:
+                    return  # the client closed between requests: the normal end
+                async with asyncio.timeout(self.request_timeout_s):
+                    request = parse_head(first + await reader.readuntil(b"\r\n\r\n"))
+                    if request.content_length:
+                        request.body = await reader.readexactly(request.content_length)
+            except (TimeoutError, asyncio.IncompleteReadError):
+                return  # idle too long, or closed mid-request: nobody is left to answer
+            except asyncio.LimitOverrunError:
+                await _send(writer, Response.error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                                                   "request head too large"), keep_alive=False)
+                return
+            except HttpError as exc:
+                await _send(writer, Response.error(exc.status, exc.message), keep_alive=False)
+                return
+            await _send(writer, self.dispatch(request), request.keep_alive)
+            if not request.keep_alive:
+                return
+
+
+async def _send(writer: asyncio.StreamWriter, response: Response, keep_alive: bool) -> None:
+    writer.write(response.encode(keep_alive))
+    await writer.drain()
