@@ -48,8 +48,6 @@ class Agent:
         self.config = config
         self.version = software_version()
         self.router = Router()
-        # The API comes first: claiming its socket is what stops a second agent on the same
-        # host before it attaches probes a second time.
         self.probes = ProbesComponent(config.probes, self.router)
         self.gpu = GpuComponent()
         self.snapshot = SnapshotComponent(config, self.probes, self.gpu, self.router)
@@ -63,6 +61,8 @@ class Agent:
         registry = CollectorRegistry()
         registry.register(AgentCollector(self))
         ProcessCollector(registry=registry)
+        # The API comes first: claiming its socket is what stops a second agent on the same
+        # host before it attaches probes a second time.
         self.components: list[Component] = [
             ApiServer(config.api.socket, self.router), self.probes, self.gpu, self.snapshot,
             self.gossip, self.routing, MetricsServer(config.metrics.listen, registry)]
@@ -177,7 +177,7 @@ class Agent:
     def _status(self, _: Request) -> Response:
         body: dict[str, Any] = {
             "node_id": self.config.node_id,
-            "version": software_version(),
+            "version": self.version,
             "pid": os.getpid(),
             "started_at": round(self._started_wall, 3),
             "uptime_s": round(time.monotonic() - self._started_mono, 3),

@@ -203,6 +203,10 @@ class GossipConfig:
     def __post_init__(self) -> None:
         if not self.suspect_after_ms < self.dead_after_ms < self.reap_after_ms:
             raise ValueError("need suspect_after_ms < dead_after_ms < reap_after_ms")
+        # A peer beats every beat_interval_ms: suspecting it sooner would suspect everyone.
+        if self.suspect_after_ms <= _GOSSIP.beat_interval_ms:
+            raise ValueError(f"suspect_after_ms must be above the beat interval "
+                             f"({_GOSSIP.beat_interval_ms} ms)")
 
 
 @dataclass(frozen=True)

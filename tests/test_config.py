@@ -83,6 +83,10 @@ def test_wrong_type_is_named(text: str, key: str, problem: str) -> None:
     ('[metrics]\nlisten = "127.0.0.1:99999"\n', "metrics.listen"),
     ('log_level = "chatty"\n', "log_level"),
     ('node_id = "has space"\n', "node_id"),
+    ("[gossip]\nsuspect_after_ms = 5000\n", "gossip"),
+    ("[gossip]\nsuspect_after_ms = 1000\ndead_after_ms = 2000\n", "gossip"),
+    ("[load]\ndegraded_at = 0.9\noverloaded_at = 0.8\n", "load"),
+    ("[load.weights]\ngpu_util = -1.0\n", "load.weights"),
 ])
 def test_bad_value_is_named(text: str, key: str) -> None:
     assert parse_error(text).key == key
