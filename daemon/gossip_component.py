@@ -7,9 +7,7 @@ for) would route on a view nobody else shares.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import socket
 from collections.abc import Sequence
 
 from daemon import logs
@@ -21,7 +19,7 @@ from daemon.snapshot_component import SnapshotComponent
 from gossip.config import GossipParams
 from gossip.keyring import Keyring, load_keyring
 from gossip.protocol import PeerView, format_addr
-from gossip.transport import GossipService, parse_seed
+from gossip.transport import GossipService
 
 log = logs.get("gossip")
 
@@ -106,27 +104,10 @@ class GossipComponent:
     async def set_seeds(self, seeds: Sequence[str]) -> None:
         """Take reloaded seeds. Seeds only matter to a node that has no live peer: it
         retries them until one answers, so a node left alone by wrong seeds joins through
-        the new ones. Names are resolved once here; the service re-resolves its seeds
-        every minute when it started with some."""
+        the new ones."""
         self.config = dataclasses.replace(self.config, seeds=tuple(seeds))
-        service = self.service
-        if service is None or service.core is None:
-            return
-        service.seeds = [parse_seed(s) for s in seeds]
-        family = socket.AF_INET6 if ":" in service.address[0] else socket.AF_INET
-        loop = asyncio.get_running_loop()
-        addrs: list[tuple[str, int]] = []
-        for host, port in service.seeds:
-            try:
-                infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM)
-            except (OSError, UnicodeError) as exc:
-                log.warning("cannot resolve seed %s: %s", format_addr((host, port)), exc)
-                continue
-            for *_, sockaddr in infos:
-                addr = (str(sockaddr[0]), int(sockaddr[1]))
-                if addr not in addrs:
-                    addrs.append(addr)
-        service.core.set_seeds(addrs)
+        if self.service is not None:
+            await self.service.set_seeds(seeds)
 
     def views(self) -> dict[str, PeerView]:
         return {} if self.service is None else self.service.snapshots()

@@ -189,6 +189,16 @@ class GossipService:
         counts.update(self._errors)
         return counts
 
+    async def set_seeds(self, seeds: Sequence[str]) -> None:
+        """Take new seeds (a reload): resolved now for the core's join retries, and kept
+        re-resolved like the seeds the service started with. ValueError on a bad seed."""
+        self.seeds = [parse_seed(s) for s in seeds]
+        core = self._started()
+        core.set_seeds(await self._resolve())
+        if self.seeds and self._seed_task is None:
+            assert self._loop is not None
+            self._seed_task = self._loop.create_task(self._keep_seeds())
+
     def set_keyring(self, keyring: Keyring | None) -> None:
         """Take a new keyring (a rotation step) without restarting."""
         self.keyring = keyring
