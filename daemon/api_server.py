@@ -3,12 +3,15 @@
 Handlers are plain functions that read the agent's in-memory state and return a Response;
 they run on the event loop and so must never block (anything slow is computed elsewhere,
 off the loop, and only read here). That keeps a `best peer` answer to microseconds of work.
+The rare handler whose answer takes real work (an operator's dump of every flow) returns
+an awaitable instead, one that does the work in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 from daemon import logs, unix_socket
@@ -16,7 +19,7 @@ from daemon.health import OK, Health, StartupError
 from daemon.http import MAX_HEAD_BYTES, HttpError, Request, Response
 from daemon.http_server import Connections
 
-Handler = Callable[[Request], Response]
+Handler = Callable[[Request], Response | Awaitable[Response]]
 
 log = logs.get("api")
 
@@ -38,7 +41,7 @@ class Router:
             raise ValueError(f"route {method} {path} registered twice")
         methods[method] = handler
 
-    def dispatch(self, request: Request) -> Response:
+    def dispatch(self, request: Request) -> Response | Awaitable[Response]:
         methods = self._routes.get(request.path)
         if methods is None:
             return Response.error(HTTPStatus.NOT_FOUND, f"no such endpoint: {request.path}")
@@ -49,12 +52,24 @@ class Router:
             response.headers["Allow"] = ", ".join(sorted(methods))
             return response
         try:
-            return handler(request)
-        except HttpError as exc:
-            return Response.error(exc.status, exc.message)
-        except Exception:
-            log.exception("handler for %s %s failed", request.method, request.path)
-            return Response.error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error")
+            response = handler(request)
+        except Exception as exc:
+            return _failed(request, exc)
+        return _finish(request, response) if inspect.isawaitable(response) else response
+
+
+async def _finish(request: Request, pending: Awaitable[Response]) -> Response:
+    try:
+        return await pending
+    except Exception as exc:
+        return _failed(request, exc)
+
+
+def _failed(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, HttpError):
+        return Response.error(exc.status, exc.message)
+    log.error("handler for %s %s failed", request.method, request.path, exc_info=exc)
+    return Response.error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error")
 
 
 class ApiServer:

@@ -1,20 +1,22 @@
 """Serving HTTP/1.1 connections on asyncio streams, for any listener the agent opens (the
 local API's Unix socket, the Prometheus exporter's TCP port).
 
-One request at a time per connection, keep-alive, answered by a synchronous dispatch
-function. What a client can make the agent hold is bounded: the number of connections,
-the head size (the stream limit), the time to finish a request, the idle time.
+One request at a time per connection, keep-alive, answered by a dispatch function (which
+returns the response, or an awaitable of it when the answer takes work). What a client can
+make the agent hold is bounded: the number of connections, the head size (the stream
+limit), the time to finish a request, the idle time.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 from daemon.http import HttpError, Request, Response, parse_head
 
-Dispatch = Callable[[Request], Response]
+Dispatch = Callable[[Request], Response | Awaitable[Response]]
 
 
 class Connections:
@@ -69,7 +71,10 @@ class Connections:
             except HttpError as exc:
                 await _send(writer, Response.error(exc.status, exc.message), keep_alive=False)
                 return
-            await _send(writer, self.dispatch(request), request.keep_alive)
+            response = self.dispatch(request)
+            if inspect.isawaitable(response):
+                response = await response
+            await _send(writer, response, request.keep_alive)
             if not request.keep_alive:
                 return
 

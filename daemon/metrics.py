@@ -188,7 +188,7 @@ class AgentCollector(Collector):
                                      "misfiled a request, by reason (docs/probes.md).",
                                      labels=["reason"])
         probes = self.agent.probes
-        report = probes.report()
+        report = probes.summary()
         if report is not None:
             for row in report["models"]:
                 for code, n in row["status"].items():

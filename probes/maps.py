@@ -5,8 +5,11 @@ struct (layouts from abi.codec, i.e. from loadmesh.h): for 10,000 flows that is 
 system calls, where BCC's per-key iteration costs two system calls and several ctypes
 objects per entry. Per-CPU values are summed here (maxima taken as maxima).
 
-The decoding loops give up the GIL every YIELD_EVERY entries: the reader runs them in a
-worker thread, and without that the daemon's event loop could wait for a whole poll.
+The reader polls every second, from a worker thread that shares the GIL with the daemon's
+event loop, so a poll must cost little whatever the number of flows: the per-flow work of
+a poll runs inside C loops (memoryview slices, map, zip, itertools), and flow keys are
+decoded only when someone asks for them (an operator's dump, the few idle flows to
+expire). Python loops over entries give up the GIL every YIELD_EVERY of them.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import ctypes
 import errno
 import ipaddress
 import os
+import re
 import struct
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import compress
 from typing import Any, NamedTuple
 
 from . import abi
@@ -50,6 +55,55 @@ FlowKey = tuple[bytes, int, bytes, int, int, int]
 FlowStats = tuple[int, int, int, int]
 
 
+class FlowTable(Mapping[FlowKey, FlowStats]):
+    """The fingerprints map as read: keys kept as read (raw map keys) and decoded on first
+    use, figures summed over CPUs and kept as columns (count, lat_sum_ns, lat_max_ns,
+    last_ns), one list of ints each. A poll needs only the figures, and columns of ints
+    are not containers: building them gives the cyclic collector nothing to track, so
+    polls do not bring on the full collections that would stall the event loop."""
+
+    def __init__(self, keys: Sequence[Hashable], columns: Sequence[Sequence[int]],
+                 decode: Callable[[Any], FlowKey]) -> None:
+        self._keys = keys
+        self._columns = columns
+        self._decode = decode
+        self._decoded: dict[FlowKey, FlowStats] | None = None
+
+    @classmethod
+    def of(cls, flows: Mapping[FlowKey, FlowStats]) -> FlowTable:
+        """A table of decoded flows (fakes and tests)."""
+        keys = list(flows)
+        return cls(keys, [[flows[k][i] for k in keys] for i in range(4)], lambda key: key)
+
+    def idle(self, before_ns: int) -> list[FlowKey]:
+        """Flows whose last response came before before_ns (CLOCK_MONOTONIC)."""
+        last = self._columns[3]
+        return [self._decode(k) for k in compress(self._keys, map(before_ns.__gt__, last))]
+
+    def rows(self) -> Iterator[tuple[FlowKey, int, int, int, int]]:
+        """(key, count, lat_sum_ns, lat_max_ns, last_ns) per flow, made as they are taken:
+        a dump of every flow keeps no container per flow alive."""
+        decode = self._decode
+        for i, (key, count, lat_sum, lat_max, last) in enumerate(zip(self._keys,
+                                                                      *self._columns)):
+            pause_point(i)
+            yield decode(key), count, lat_sum, lat_max, last
+
+    def _mapping(self) -> dict[FlowKey, FlowStats]:
+        if self._decoded is None:
+            self._decoded = {key: tuple(stats) for key, *stats in self.rows()}
+        return self._decoded
+
+    def __getitem__(self, key: FlowKey) -> FlowStats:
+        return self._mapping()[key]
+
+    def __iter__(self) -> Iterator[FlowKey]:
+        return iter(self._mapping())
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class PortStats(NamedTuple):
     conns_accepted: int
     conns_opened: int
@@ -64,7 +118,7 @@ class MapSnapshot:
     counters are cumulative since the maps were created, i.e. since the probes started."""
 
     mono_ns: int
-    flows: Mapping[FlowKey, FlowStats] = field(default_factory=dict)
+    flows: FlowTable = field(default_factory=lambda: FlowTable.of({}))
     # (model_id, serving port, status, bucket) -> responses
     histograms: Mapping[tuple[int, int, int, int], int] = field(default_factory=dict)
     models: Mapping[int, str] = field(default_factory=dict)
@@ -131,6 +185,19 @@ class _Batch:
         return keys, values, total
 
 
+def _fields_struct(codec: abi.Codec, names: Sequence[str]) -> struct.Struct:
+    """A struct that unpacks only the named fields of codec's layout (in layout order) and
+    skips the rest."""
+    fmt, fields = ["<"], iter(codec.fields)
+    for count, code in re.findall(r"(\d*)([a-zA-Z])", codec.struct.format):
+        size = struct.calcsize(f"<{count}{code}")
+        if code == "x":
+            fmt.append(f"{size}x")
+        else:
+            fmt.append(f"{count}{code}" if next(fields) in names else f"{size}x")
+    return struct.Struct("".join(fmt))
+
+
 def _per_cpu_struct(value: abi.Codec, ncpu: int) -> struct.Struct:
     """One entry of a per-CPU map: ncpu values, each padded to 8 bytes by the kernel."""
     one = value.struct.format.lstrip("<")
@@ -148,9 +215,16 @@ class MapReader:
         fp = bpf[b"fingerprints"]
         self._fp_key = abi.codec(fp.Key)
         self._fp_val = abi.codec(fp.sLeaf)
+        if self._fp_val.struct.format != "<" + "Q" * len(self._fp_val.fields):
+            raise TypeError("lm_fp_val: flows() reads it as an array of u64")
         self._fp = _Batch(lib, fp.map_fd, ctypes.sizeof(fp.Key),
                           _per_cpu_struct(self._fp_val, ncpu).size, fp.max_entries)
-        self._fp_vals = _per_cpu_struct(self._fp_val, ncpu)
+        # Decoded keys of the flows seen lately (most flows live for many polls), emptied
+        # when it outgrows the map. A plain dict of tuples of bytes and ints: the collector
+        # stops tracking those, where lru_cache would keep a tracked list per entry, and
+        # each full collection walks every tracked object while this thread holds the GIL.
+        self._flow_keys: dict[bytes, FlowKey] = {}
+        self._flow_keys_max = fp.max_entries
         hist = bpf[b"histograms"]
         self._hist_key = abi.codec(hist.Key)
         self._hist = _Batch(lib, hist.map_fd, ctypes.sizeof(hist.Key), 8 * ncpu,
@@ -162,7 +236,9 @@ class MapReader:
                             ctypes.sizeof(infl.Leaf), infl.max_entries)
         self._depth = abi.const("LM_PIPE_DEPTH")
         self._error_names = abi.error_names()
-        self._flow_keys: dict[bytes, FlowKey] = {}  # raw key -> decoded, from the last read
+        # (head, tail, overflow) of a connection and the port of its key, skipping the rest
+        self._infl_queue = _fields_struct(self._infl_val, ("head", "tail", "overflow"))
+        self._infl_port = _fields_struct(self._infl_key, ("server_port",))
 
     def read(self) -> MapSnapshot:
         mono = time.monotonic_ns()
@@ -176,32 +252,36 @@ class MapReader:
             inflight=self.inflight(),
         )
 
-    def flows(self) -> dict[FlowKey, FlowStats]:
+    def flows(self) -> FlowTable:
         keys, values, n = self._fp.read()
-        ks, vs = self._fp.key_size, self._fp.value_size
-        kc = self._fp_key
-        fields = [kc.index(f) for f in ("flow.client", "flow.client_port", "flow.server",
-                                        "flow.server_port", "model_id", "status")]
-        vf = self._fp_val.fields
-        width = len(vf)
-        cnt, lsum = vf.index("count"), vf.index("lat_sum_ns")
-        lmax, last = vf.index("lat_max_ns"), vf.index("last_ns")
-        unpack_value = self._fp_vals.unpack_from
-        known, seen = self._flow_keys, {}
-        out: dict[FlowKey, FlowStats] = {}
-        for i in range(n):
-            pause_point(i)
-            raw = bytes(keys[i * ks:(i + 1) * ks])
-            key = known.get(raw)
-            if key is None:
-                k = kc.struct.unpack(raw)
-                key = tuple([k[f] for f in fields])
-            seen[raw] = key
-            v = unpack_value(values, i * vs)
-            out[key] = (sum(v[cnt::width]), sum(v[lsum::width]), max(v[lmax::width]),
-                        max(v[last::width]))
-        self._flow_keys = seen
-        return out
+        ks, ncpu = self._fp.key_size, self._ncpu
+        width = len(self._fp_val.fields)
+        words = values.cast("B").cast("Q")
+
+        def column(name: str, combine: Callable[[Iterable[int]], int]) -> list[int]:
+            """One figure of every entry, combined over the CPUs, in C loops."""
+            first = self._fp_val.index(name)
+            per_cpu = [words[first + cpu * width::width * ncpu] for cpu in range(ncpu)]
+            return list(map(combine, zip(*per_cpu)))
+
+        columns = [column("count", sum), column("lat_sum_ns", sum), column("lat_max_ns", max),
+                   column("last_ns", max)]
+        raw = bytes(keys)
+        return FlowTable([raw[i:i + ks] for i in range(0, n * ks, ks)], columns,
+                         self._decode_flow)
+
+    def _decode_flow(self, raw: bytes) -> FlowKey:
+        key = self._flow_keys.get(raw)
+        if key is None:
+            if len(self._flow_keys) >= self._flow_keys_max:
+                self._flow_keys = {}
+            k = self._fp_key.struct.unpack(raw)
+            index = self._fp_key.index
+            key = (k[index("flow.client")], k[index("flow.client_port")],
+                   k[index("flow.server")], k[index("flow.server_port")], k[index("model_id")],
+                   k[index("status")])
+            self._flow_keys[raw] = key
+        return key
 
     def histograms(self) -> dict[tuple[int, int, int, int], int]:
         keys, values, _ = self._hist.read()
@@ -235,16 +315,18 @@ class MapReader:
         """Requests sent and not yet answered, per (model, serving port); model 0: unknown
         yet or none."""
         keys, values, _ = self._infl.read()
-        port_at = self._infl_key.index("server_port")
-        vc = self._infl_val
+        queues = self._infl_queue.iter_unpack(values)
+        busy = [i for i, (head, tail, over) in enumerate(queues) if tail != head or over]
+        vc, vs, ks = self._infl_val, self._infl_val.struct.size, self._infl_key.struct.size
         hi, ti, oi = vc.index("head"), vc.index("tail"), vc.index("overflow")
         model_at = [vc.index(f"ring.{i}.model_id") for i in range(self._depth)]
         mask = self._depth - 1
         out: dict[tuple[int, int], int] = {}
-        for i, (k, v) in enumerate(zip(self._infl_key.struct.iter_unpack(keys),
-                                       vc.struct.iter_unpack(values))):
-            pause_point(i)
-            port, head, tail, over = k[port_at], v[hi], v[ti], v[oi]
+        for j, i in enumerate(busy):
+            pause_point(j)
+            (port,) = self._infl_port.unpack_from(keys, i * ks)
+            v = vc.struct.unpack_from(values, i * vs)
+            head, tail, over = v[hi], v[ti], v[oi]
             if over:
                 out[NO_MODEL, port] = out.get((NO_MODEL, port), 0) + over
             for pos in range(head, head + min((tail - head) & 0xFFFFFFFF, self._depth)):

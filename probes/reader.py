@@ -2,9 +2,12 @@
 
 poll() (a worker thread, once a second) reads the maps, turns the kernel's cumulative
 counters into per-interval deltas, keeps the intervals of the sliding window, and builds a
-new immutable state that it publishes by swapping one reference. report() and
-model_stats() (the event loop) only return that reference: they never touch a map and
-never wait for poll().
+new immutable state that it publishes by swapping one reference. summary(), model_stats()
+and the other readers (the event loop) only return parts of that state: they never touch a
+map and never wait for poll(). report_json(), the whole report with a row per flow, is
+built from the state on first use (a few hundred milliseconds with 10,000 connections):
+call it from a worker thread. It writes the rows as JSON text, not as dicts: tens of
+thousands of dicts would bring on full collections, which stall every thread.
 
 Per model and serving port (model_stats(), for the load snapshot): requests and status
 counts since the probes started come from the latency histograms (every recorded response
@@ -16,17 +19,18 @@ flow_idle_s are deleted from that map so it holds recent flows only.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
 from . import buckets
-from .maps import FlowKey, FlowStats, MapSnapshot, PortStats, format_endpoint, pause_point
+from .maps import FlowKey, FlowTable, MapSnapshot, PortStats, format_endpoint
 from .model_id import NO_MODEL
 
 _EMPTY: Mapping[int, int] = MappingProxyType({})
@@ -84,12 +88,15 @@ class _Interval:
     ports: Mapping[int, PortStats]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _State:
-    report: dict[str, Any]
+    summary: dict[str, Any]  # the report without its flows
     models: tuple[ModelStats, ...]
     names: Mapping[int, str]
     histograms: Mapping[tuple[int, int, int, int], int]  # the kernel's, since the start
+    flows: FlowTable
+    wall_at_mono: float  # time.time() - time.monotonic() when the maps were read
+    report: bytes | None = None  # summary and flows as JSON, built on first use
 
 
 def model_name(model_id: int, names: Mapping[int, str]) -> str:
@@ -134,13 +141,9 @@ class FingerprintReader:
         self._prev_ports: dict[int, PortStats] = {}
         self._totals: dict[Endpoint, dict[int, int]] = {}  # -> status -> since start
         self._window: deque[_Interval] = deque()
-        # each flow's stats and report row as of the last poll, to reuse unchanged rows (two
-        # dicts rather than (stats, row) pairs: no container the collector keeps tracking)
-        self._stats: dict[FlowKey, FlowStats] = {}
-        self._rows: dict[FlowKey, dict[str, Any]] = {}
         empty = MapSnapshot(mono_ns=time.monotonic_ns())
-        self._state = _State(self._build_report(empty, (), {}), (), MappingProxyType({}),
-                             MappingProxyType({}))
+        self._state = _State(self._summary(empty, (), {}), (), MappingProxyType({}),
+                             MappingProxyType({}), empty.flows, 0.0)
 
     def poll(self, now: float) -> None:
         """Reads the maps and publishes new figures. now: time.monotonic() seconds.
@@ -151,17 +154,27 @@ class FingerprintReader:
         while self._window and self._window[0].end <= now - self.window_s:
             self._window.popleft()
         models = self._model_stats(snap)
-        report = self._build_report(snap, models, self._port_rates())
-        self._state = _State(report, models, MappingProxyType(dict(snap.models)),
-                             MappingProxyType(snap.histograms))
-        idle_ns = int(self.flow_idle_s * 1e9)
-        idle = [k for k, v in snap.flows.items() if snap.mono_ns - v[3] > idle_ns]
+        self._state = _State(self._summary(snap, models, self._port_rates()), models,
+                             MappingProxyType(dict(snap.models)),
+                             MappingProxyType(snap.histograms), snap.flows,
+                             time.time() - snap.mono_ns / 1e9)
+        idle = snap.flows.idle(snap.mono_ns - int(self.flow_idle_s * 1e9))
         if idle:
             self._probes.expire_flows(idle)
 
-    def report(self) -> dict[str, Any]:
-        """The fingerprint report (JSON-ready). Shared: callers must not modify it."""
-        return self._state.report
+    def summary(self) -> dict[str, Any]:
+        """The fingerprint report without its flows (JSON-ready, cheap). Shared: callers must
+        not modify it."""
+        return self._state.summary
+
+    def report_json(self) -> bytes:
+        """The whole fingerprint report as JSON: the summary and a row per flow. Built on
+        the first call after a poll, in the caller's thread: not on the event loop."""
+        state = self._state
+        if state.report is None:
+            summary = json.dumps(state.summary, separators=(",", ":"))
+            state.report = f'{summary[:-1]},"flows":[{",".join(_flow_rows(state))}]}}'.encode()
+        return state.report
 
     def model_stats(self) -> tuple[ModelStats, ...]:
         """Figures per (model, serving port), for the load snapshot."""
@@ -312,41 +325,28 @@ class FingerprintReader:
         return {port: {f"{f}_per_s": round(v / span, 3) for f, v in zip(PortStats._fields, acc)}
                 for port, acc in sums.items()}
 
-    def _build_report(self, snap: MapSnapshot, models: tuple[ModelStats, ...],
-                      port_rates: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
-        names = snap.models
-        wall_at_mono = time.time() - snap.mono_ns / 1e9
-        old_rows, old_stats = self._rows, self._stats
-        flows = []
-        rows: dict[FlowKey, dict[str, Any]] = {}
-        for i, (key, v) in enumerate(snap.flows.items()):
-            pause_point(i)
-            row = old_rows.get(key)
-            if row is None or row["model"] != model_name(key[4], names):
-                client, client_port, server, server_port, model_id, status = key
-                row = {"src": format_endpoint(client, client_port),
-                       "dst": format_endpoint(server, server_port),
-                       "model": model_name(model_id, names), "status": status}
-            elif old_stats.get(key) == v:
-                rows[key] = row  # unchanged since the last poll: the same dict serves again
-                flows.append(row)
-                continue
-            else:
-                row = row.copy()  # keeps the formatted src, dst, model and status
-            count, lat_sum, lat_max, last = v
-            row["count"] = count
-            row["mean_ms"] = lat_sum / count / 1e6 if count else None
-            row["max_ms"] = lat_max / 1e6
-            row["last_seen"] = wall_at_mono + last / 1e9
-            rows[key] = row
-            flows.append(row)
-        self._rows = rows
-        self._stats = dict(snap.flows)
+    def _summary(self, snap: MapSnapshot, models: tuple[ModelStats, ...],
+                 port_rates: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
         return {
             "window_s": self.window_s,
             "models": self._per_model(models),
-            "flows": flows,
+            "flow_count": len(snap.flows),
             "errors": dict(snap.errors),
             "tcp": {str(port): {**stats._asdict(), **port_rates.get(port, {})}
                     for port, stats in sorted(snap.ports.items())},
         }
+
+
+def _flow_rows(state: _State) -> Iterator[str]:
+    """One JSON object per flow (addresses and numbers need no escaping, names do)."""
+    names: dict[int, str] = {}
+    for key, count, lat_sum, lat_max, last in state.flows.rows():
+        client, client_port, server, server_port, model_id, status = key
+        name = names.get(model_id)
+        if name is None:
+            name = names[model_id] = json.dumps(model_name(model_id, state.names))
+        mean = repr(lat_sum / count / 1e6) if count else "null"
+        yield (f'{{"src":"{format_endpoint(client, client_port)}",'
+               f'"dst":"{format_endpoint(server, server_port)}","model":{name},'
+               f'"status":{status},"count":{count},"mean_ms":{mean},'
+               f'"max_ms":{lat_max / 1e6!r},"last_seen":{state.wall_at_mono + last / 1e9!r}}}')

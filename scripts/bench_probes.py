@@ -17,8 +17,9 @@ pair, so every request and response crosses the probed interface once.
       wrk's P99 (to the last byte, measured in wrk's event loop).
 
 Then the reader: wrk keeps 10,000 connections busy while an asyncio loop measures how
-late its 1 ms sleeps wake up, first without and then with the fingerprint reader polling
-every second in a worker thread (as the daemon runs it).
+late its 1 ms sleeps wake up, first without the fingerprint reader, then with it polling
+every second in a worker thread (as the daemon runs it), then with a dump of every flow
+(`loadmesh dump`) every second on top.
 
 Needs root, nginx and wrk (`bash scripts/setup.sh --bench`). All traffic stays inside the
 namespace and veth pair this script creates; both are removed on exit.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import re
 import resource
@@ -183,21 +185,30 @@ def cost_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float
 
 def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float) -> dict:
     """wrk keeps `conns` connections busy; an asyncio loop measures how late its 1 ms sleeps
-    wake up, the first half without the reader, the second half with it polling."""
+    wake up: first without the reader, then with it polling every second in a worker thread
+    (as the daemon runs it), then also with a full dump (`loadmesh dump`: a row per flow,
+    built in another worker thread) every second."""
     reader = FingerprintReader(probes)
     polls: list[float] = []
+    dumps: list[float] = []
     rows: list[int] = []
     inflight: list[int] = []
-    stop = threading.Event()
+    stop_polls, stop_dumps = threading.Event(), threading.Event()
 
     def poller() -> None:
-        while not stop.wait(1.0):
+        while not stop_polls.wait(1.0):
             t = time.perf_counter()
             reader.poll(time.monotonic())
             polls.append(time.perf_counter() - t)
-            report = reader.report()
-            rows.append(len(report["flows"]))
-            inflight.append(sum(m["inflight"] for m in report["models"]))
+            summary = reader.summary()
+            rows.append(summary["flow_count"])
+            inflight.append(sum(m["inflight"] for m in summary["models"]))
+
+    def dumper() -> None:
+        while not stop_dumps.wait(1.0):
+            t = time.perf_counter()
+            reader.report_json()
+            dumps.append(time.perf_counter() - t)
 
     async def worst_delay(duration: float) -> float:
         worst = 0.0
@@ -206,23 +217,30 @@ def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: flo
             t = time.perf_counter()
             await asyncio.sleep(0.001)
             worst = max(worst, time.perf_counter() - t - 0.001)
-            reader.report()
+            reader.summary()  # what the daemon's loop reads (the snapshot, metrics)
+            reader.model_stats()
         return worst
 
+    gc.freeze()  # as the daemon does once started
     result: dict = {}
     wrk = threading.Thread(target=lambda: result.update(
-        run_wrk(url, lua, conns, seconds * 2 + 4, threads=2)))
+        run_wrk(url, lua, conns, seconds * 3 + 4, threads=2)))
     wrk.start()
     time.sleep(3)  # connections opened
     lag_without = asyncio.run(worst_delay(seconds))
-    thread = threading.Thread(target=poller)
-    thread.start()
+    threads = [threading.Thread(target=poller), threading.Thread(target=dumper)]
+    threads[0].start()
     lag_with = asyncio.run(worst_delay(seconds))
-    stop.set()
-    thread.join()
+    threads[1].start()
+    lag_dumps = asyncio.run(worst_delay(seconds))
+    stop_dumps.set()
+    stop_polls.set()
+    for thread in threads:
+        thread.join()
     wrk.join()
-    return {"polls": sorted(polls), "rows": max(rows, default=0), "lag_without": lag_without,
-            "lag_with": lag_with, "wrk": result, "inflight": max(inflight, default=0)}
+    return {"polls": sorted(polls), "dumps": sorted(dumps), "rows": max(rows, default=0),
+            "lag_without": lag_without, "lag_with": lag_with, "lag_dumps": lag_dumps,
+            "wrk": result, "inflight": max(inflight, default=0)}
 
 
 def main() -> int:
@@ -287,8 +305,11 @@ def main() -> int:
     print(f"reader, {args.reader_conns} live connections at {reader['wrk'].get('rps', 0):.0f} "
           f"req/s ({reader['rows']} flow rows, up to {reader['inflight']} requests in flight): "
           f"poll median {statistics.median(polls) * 1e3:.0f} ms, max {polls[-1] * 1e3:.0f} ms "
-          f"({len(polls)} polls); worst asyncio delay {reader['lag_without'] * 1e3:.1f} ms "
-          f"without polling, {reader['lag_with'] * 1e3:.1f} ms with")
+          f"({len(polls)} polls); a dump of every flow: median "
+          f"{statistics.median(reader['dumps']) * 1e3:.0f} ms; worst asyncio delay "
+          f"{reader['lag_without'] * 1e3:.1f} ms without the reader, "
+          f"{reader['lag_with'] * 1e3:.1f} ms with it polling, "
+          f"{reader['lag_dumps'] * 1e3:.1f} ms with a dump every second too")
     print(f"probe error counters during (a): {cost['errors'] or 'all zero'}; wrk socket "
           f"errors: {cost['socket_errors']} (a), {reader['wrk'].get('socket_errors', '?')} "
           f"(reader)")

@@ -8,7 +8,7 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from http import HTTPStatus
 from pathlib import Path
 
@@ -17,7 +17,7 @@ import pytest
 from daemon.api_server import ApiServer, Router
 from daemon.client import AgentUnavailable, ApiError, Client
 from daemon.health import StartupError
-from daemon.http import Request, Response
+from daemon.http import HttpError, Request, Response
 
 
 def _echo(req: Request) -> Response:
@@ -28,6 +28,22 @@ def _boom(_: Request) -> Response:
     raise RuntimeError("handler bug")
 
 
+_release_slow = threading.Event()
+
+
+def _slow(req: Request) -> Awaitable[Response]:
+    """A handler that does its work in a thread, as the fingerprint dump does; the work
+    ends when the test releases it."""
+    def work() -> Response:
+        if "fail" in req.query:
+            raise RuntimeError("worker bug")
+        if "refuse" in req.query:
+            raise HttpError(HTTPStatus.CONFLICT, "refused")
+        _release_slow.wait(10)
+        return Response.json({"slow": True})
+    return asyncio.to_thread(work)
+
+
 class ServerThread:
     """An ApiServer on its own event loop in a thread, as the agent runs it."""
 
@@ -36,6 +52,7 @@ class ServerThread:
         router.add("GET", "/echo", _echo)
         router.add("POST", "/echo", _echo)
         router.add("GET", "/boom", _boom)
+        router.add("GET", "/slow", _slow)
         self.server = ApiServer(path, router)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -127,11 +144,24 @@ def test_post_body_in_a_later_write(server: ServerThread) -> None:
         assert status == 200 and json.loads(answer)["body"] == {"outcome": "ok"}
 
 
+def test_a_handler_working_in_a_thread_does_not_hold_up_other_connections(
+        server: ServerThread) -> None:
+    _release_slow.clear()
+    with Conn(server.server.path) as slow, Conn(server.server.path) as quick:
+        slow.send(b"GET /slow HTTP/1.1\r\n\r\n")
+        quick.send(b"GET /echo HTTP/1.1\r\n\r\n")
+        assert quick.response()[0] == 200  # while the slow one is still at work
+        _release_slow.set()
+        assert json.loads(slow.response()[2]) == {"slow": True}
+
+
 @pytest.mark.parametrize("request_bytes, status, allow", [
     (b"GET /nope HTTP/1.1\r\n\r\n", 404, None),
     (b"DELETE /echo HTTP/1.1\r\n\r\n", 405, "GET, POST"),
     (b"POST /echo HTTP/1.1\r\nContent-Length: 3\r\n\r\n{x}", 400, None),
     (b"GET /boom HTTP/1.1\r\n\r\n", 500, None),
+    (b"GET /slow?fail=1 HTTP/1.1\r\n\r\n", 500, None),
+    (b"GET /slow?refuse=1 HTTP/1.1\r\n\r\n", 409, None),
 ])
 def test_errors_are_json_and_keep_the_connection(server: ServerThread, request_bytes: bytes,
                                                  status: int, allow: str | None) -> None:

@@ -119,7 +119,7 @@ def _agent_view() -> SimpleNamespace:
     component = SimpleNamespace(name="probes", health=lambda: Health(State.DEGRADED, "x"))
     return SimpleNamespace(
         node_id="n1", version="0.1.0", components=[component],
-        probes=SimpleNamespace(report=lambda: report, latency_counts=lambda bounds: [ttfb]),
+        probes=SimpleNamespace(summary=lambda: report, latency_counts=lambda bounds: [ttfb]),
         gpu=SimpleNamespace(devices=(GpuInfo(0, "GPU-aaa", "H100"), GpuInfo(1, "GPU-bbb", "H100"))),
         snapshot=SimpleNamespace(current=snap),
         gossip=SimpleNamespace(service=SimpleNamespace(peers=lambda: peers,

@@ -212,6 +212,28 @@ def test_counts_per_model_and_status_are_exact(env: Env) -> None:
     assert counts.errors(snap) == {}
 
 
+def test_requests_in_flight_are_counted_per_model_until_answered(env: Env) -> None:
+    """Slow requests on open connections, two of them pipelined on one: the in-flight
+    counts per model are exact while they wait, and zero once they are answered."""
+    slow, other = Client(env.topo.ns_v4), Client(env.topo.ns_v4)
+    try:
+        slow.send(b"".join(request("inflight-a", delay_ms=1500)) +
+                  b"".join(request("inflight-a", delay_ms=0)))
+        other.send(b"".join(request("inflight-b", delay_ms=1500)))
+        time.sleep(0.5)
+        waiting = env.probes.read_maps().inflight
+        assert waiting.get((model_id("inflight-a"), PORT)) == 2
+        assert waiting.get((model_id("inflight-b"), PORT)) == 1
+        assert [slow.response()[0], slow.response()[0], other.response()[0]] == [200] * 3
+        time.sleep(0.05)
+        done = env.probes.read_maps().inflight
+        assert done.get((model_id("inflight-a"), PORT), 0) == 0
+        assert done.get((model_id("inflight-b"), PORT), 0) == 0
+    finally:
+        slow.close()
+        other.close()
+
+
 def test_p99_within_5_percent_of_the_client(env: Env) -> None:
     model = "p99-model"
     ttfb: list[float] = []
@@ -548,7 +570,7 @@ def test_report_shows_the_traffic(env: Env) -> None:
     client.close()
     time.sleep(0.05)
     reader.poll(time.monotonic())
-    report = json.loads(json.dumps(reader.report()))
+    report = json.loads(reader.report_json())
     (m,) = [m for m in report["models"] if m["model"] == "report-model"]
     assert m["requests"] == 2 and m["status"] == {"200": 1, "503": 1}
     rows = [r for r in report["flows"] if r["src"] == f"{env.topo.host_v4}:{port}"]

@@ -12,7 +12,7 @@ import pytest
 
 from probes import FingerprintReader, buckets
 from probes.model_id import model_id
-from probes.maps import FlowKey, MapSnapshot, PortStats, ip_bytes
+from probes.maps import FlowKey, FlowTable, MapSnapshot, PortStats, ip_bytes
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 QWEN = "Qwen/Qwen2.5-7B"
@@ -39,7 +39,7 @@ class FakeProbes:
         self.hist[key] = self.hist.get(key, 0) + n
 
     def read_maps(self) -> MapSnapshot:
-        return MapSnapshot(mono_ns=self.mono_ns, flows=dict(self.flows),
+        return MapSnapshot(mono_ns=self.mono_ns, flows=FlowTable.of(self.flows),
                            histograms=dict(self.hist), models=dict(self.models),
                            errors=dict(self.errors), ports=dict(self.ports),
                            inflight=dict(self.inflight))
@@ -48,6 +48,10 @@ class FakeProbes:
         self.expired.extend(keys)
         for k in keys:
             del self.flows[k]
+
+
+def report(r: FingerprintReader) -> dict[str, Any]:
+    return json.loads(r.report_json())
 
 
 def model(report: dict[str, Any], name: str) -> dict[str, Any]:
@@ -64,7 +68,7 @@ def test_first_poll_counts_everything_since_the_probes_started(fake: FakeProbes)
     fake.add(L, 503, 10, n=3)
     r = FingerprintReader(fake)
     r.poll(time.monotonic())
-    m = model(r.report(), LLAMA)
+    m = model(report(r), LLAMA)
     assert m["requests"] == 10
     assert m["status"] == {"200": 7, "503": 3}
 
@@ -107,7 +111,7 @@ def test_percentiles_come_from_the_window_histograms(fake: FakeProbes) -> None:
     for ms in range(1, 101):  # 1..100 ms, one each
         fake.add(Q, 200, ms)
     r.poll(t + 1)
-    m = model(r.report(), QWEN)
+    m = model(report(r), QWEN)
     assert m["p50_ms"] == pytest.approx(50, rel=1 / 32)
     assert m["p95_ms"] == pytest.approx(95, rel=1 / 32)
     assert m["p99_ms"] == pytest.approx(99, rel=1 / 32)
@@ -120,7 +124,7 @@ def test_no_responses_in_the_window_means_no_percentiles(fake: FakeProbes) -> No
     r.poll(t)
     r.poll(t + 10)
     r.poll(t + 20)
-    m = model(r.report(), LLAMA)
+    m = model(report(r), LLAMA)
     assert m["p99_ms"] is None and m["rps"] == 0 and m["requests"] == 1
     (stats,) = r.model_stats()
     assert math.isnan(stats.p99_ms) and stats.rps == 0
@@ -139,7 +143,7 @@ def test_a_model_on_two_ports(fake: FakeProbes) -> None:
     assert (by_port[8000].error_ratio, by_port[8001].error_ratio) == (0, 1)
     assert by_port[8001].p50_ms == pytest.approx(200, rel=1 / 32)
     assert (by_port[8000].in_flight, by_port[8001].in_flight) == (3, 1)
-    row = model(r.report(), LLAMA)
+    row = model(report(r), LLAMA)
     assert row["ports"] == [8000, 8001] and row["inflight"] == 4
     assert row["requests"] == 100 and row["status"] == {"200": 90, "503": 10}
     assert row["error_ratio"] == pytest.approx(0.1)
@@ -153,10 +157,10 @@ def test_inflight_and_unnamed_models(fake: FakeProbes) -> None:
     fake.inflight = {(L, 8000): 4, (0, 8000): 2, (unknown, 8000): 1}
     r = FingerprintReader(fake)
     r.poll(time.monotonic())
-    report = r.report()
-    assert model(report, LLAMA)["inflight"] == 4
-    assert model(report, "-")["inflight"] == 2
-    assert model(report, f"#{unknown:016x}")["inflight"] == 1
+    rep = report(r)
+    assert model(rep, LLAMA)["inflight"] == 4
+    assert model(rep, "-")["inflight"] == 2
+    assert model(rep, f"#{unknown:016x}")["inflight"] == 1
 
 
 def test_counter_reset_counts_the_new_value(fake: FakeProbes) -> None:
@@ -182,20 +186,20 @@ def test_report_keys_and_json(fake: FakeProbes) -> None:
     fake.errors["scan_gave_up"] = 2
     r = FingerprintReader(fake)
     r.poll(time.monotonic())
-    report = json.loads(json.dumps(r.report()))
-    m = model(report, LLAMA)
+    rep = report(r)
+    m = model(rep, LLAMA)
     assert {"model", "requests", "status", "rps", "p50_ms", "p95_ms", "p99_ms",
             "inflight"} <= set(m)
-    rows = {row["src"]: row for row in report["flows"]}
+    rows = {row["src"]: row for row in rep["flows"]}
     v4 = rows["10.0.0.1:40000"]
     assert (v4["dst"], v4["model"], v4["status"], v4["count"]) == ("10.0.0.2:8000", LLAMA,
                                                                   200, 4)
     assert v4["mean_ms"] == pytest.approx(100) and v4["max_ms"] == pytest.approx(150)
     v6 = rows["[fd00::1]:40001"]
     assert (v6["dst"], v6["model"], v6["status"]) == ("[fd00::2]:8000", "-", 404)
-    assert report["errors"]["scan_gave_up"] == 2
-    assert report["tcp"]["8000"]["conns_accepted"] == 3
-    assert report["tcp"]["8000"]["resets_received"] == 2
+    assert rep["errors"]["scan_gave_up"] == 2
+    assert rep["tcp"]["8000"]["conns_accepted"] == 3
+    assert rep["tcp"]["8000"]["resets_received"] == 2
 
 
 def test_idle_flows_are_expired_and_leave_the_report(fake: FakeProbes) -> None:
@@ -207,7 +211,7 @@ def test_idle_flows_are_expired_and_leave_the_report(fake: FakeProbes) -> None:
     r.poll(time.monotonic())
     assert fake.expired == [old]
     r.poll(time.monotonic())
-    assert [row["src"] for row in r.report()["flows"]] == ["10.0.0.1:2"]
+    assert [row["src"] for row in report(r)["flows"]] == ["10.0.0.1:2"]
 
 
 def test_report_is_an_immutable_snapshot_swapped_by_poll(fake: FakeProbes) -> None:
@@ -215,18 +219,35 @@ def test_report_is_an_immutable_snapshot_swapped_by_poll(fake: FakeProbes) -> No
     t = time.monotonic()
     fake.add(L, 200, 5, n=1)
     r.poll(t)
-    before = r.report()
-    before_json = json.dumps(before, sort_keys=True)
+    summary, before = r.summary(), r.report_json()
+    summary_json = json.dumps(summary, sort_keys=True)
+    assert r.report_json() is before  # built once per poll
     fake.add(L, 200, 5, n=1)
     r.poll(t + 1)
-    assert r.report() is not before
-    assert json.dumps(before, sort_keys=True) == before_json  # the old snapshot is intact
-    assert model(r.report(), LLAMA)["requests"] == 2
+    assert r.summary() is not summary
+    assert json.dumps(summary, sort_keys=True) == summary_json  # the old state is intact
+    assert model(json.loads(before), LLAMA)["requests"] == 1
+    assert model(report(r), LLAMA)["requests"] == 2
+
+
+def test_flow_rows_escape_model_names_and_survive_odd_figures(fake: FakeProbes) -> None:
+    odd = 'we"ird\\name\n'
+    fake.models[model_id(odd)] = odd
+    flow = (ip_bytes("fd00::1"), 40000, ip_bytes("fd00::2"), 8000, model_id(odd), 200)
+    never = (ip_bytes("10.0.0.1"), 1, ip_bytes("10.0.0.2"), 8000, 0, 0)
+    fake.flows = {flow: (3, 3 * MS, 2 * MS, fake.mono_ns), never: (0, 0, 0, fake.mono_ns)}
+    r = FingerprintReader(fake)
+    r.poll(time.monotonic())
+    rows = {row["src"]: row for row in report(r)["flows"]}
+    assert rows["[fd00::1]:40000"]["model"] == odd
+    assert rows["[fd00::1]:40000"]["mean_ms"] == 1.0
+    assert rows["10.0.0.1:1"]["mean_ms"] is None and rows["10.0.0.1:1"]["model"] == "-"
+    assert r.summary()["flow_count"] == 2
 
 
 def test_report_before_the_first_poll_is_empty_but_well_formed(fake: FakeProbes) -> None:
-    report = FingerprintReader(fake).report()
-    assert report["models"] == [] and report["flows"] == []
+    rep = report(FingerprintReader(fake))
+    assert rep["models"] == [] and rep["flows"] == []
 
 
 def test_rejects_a_non_positive_window(fake: FakeProbes) -> None:
