@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import compress
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from . import abi
@@ -225,6 +226,9 @@ class MapReader:
         # each full collection walks every tracked object while this thread holds the GIL.
         self._flow_keys: dict[bytes, FlowKey] = {}
         self._flow_keys_max = fp.max_entries
+        self._flow_key_of = itemgetter(*(self._fp_key.index(f) for f in (
+            "flow.client", "flow.client_port", "flow.server", "flow.server_port", "model_id",
+            "status")))
         hist = bpf[b"histograms"]
         self._hist_key = abi.codec(hist.Key)
         self._hist = _Batch(lib, hist.map_fd, ctypes.sizeof(hist.Key), 8 * ncpu,
@@ -275,11 +279,7 @@ class MapReader:
         if key is None:
             if len(self._flow_keys) >= self._flow_keys_max:
                 self._flow_keys = {}
-            k = self._fp_key.struct.unpack(raw)
-            index = self._fp_key.index
-            key = (k[index("flow.client")], k[index("flow.client_port")],
-                   k[index("flow.server")], k[index("flow.server_port")], k[index("model_id")],
-                   k[index("status")])
+            key = self._flow_key_of(self._fp_key.struct.unpack(raw))
             self._flow_keys[raw] = key
         return key
 
