@@ -28,11 +28,15 @@ class Connections:
         self.request_timeout_s = request_timeout_s
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def close_all(self) -> None:
+    async def shut_down(self, server: asyncio.AbstractServer) -> None:
+        """Stops the listener, then ends the connections it accepted: wait_closed() waits
+        for them, so they go first."""
+        server.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await server.wait_closed()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The stream server's callback: serves one connection until it ends."""

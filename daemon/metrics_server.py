@@ -67,9 +67,7 @@ class MetricsServer:
     async def stop(self) -> None:
         if self._server is None:
             return
-        self._server.close()
-        await self._connections.close_all()
-        await self._server.wait_closed()
+        await self._connections.shut_down(self._server)
         self._server = None
 
     def health(self) -> Health:
