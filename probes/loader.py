@@ -1,9 +1,10 @@
 """Compiling, attaching and detaching the probes.
 
 ProbeSet.start() compiles http.bpf.c + tcpstats.bpf.c once with BCC (about 2 s, so the
-daemon calls it from a worker thread), attaches the TC programs to each interface and the
-tracepoints, and keeps a record of every filter and clsact qdisc it added. stop(), and any
-failure inside start(), removes exactly those. What cannot work here (not root, no BPF,
+daemon calls it from a worker thread), attaches the TC programs to each interface (as tcx
+links, or as cls_bpf filters on kernels before 6.6) and the tracepoints, and keeps a record
+of every link, filter and clsact qdisc it added. stop(), and any failure inside start(),
+removes exactly those. What cannot work here (not root, no BPF,
 no kernel headers, no such interface) raises ProbeUnavailable with a one-line reason for
 `probes: degraded: <reason>`.
 """
@@ -11,6 +12,7 @@ no kernel headers, no such interface) raises ProbeUnavailable with a one-line re
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -22,7 +24,7 @@ from typing import Any
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from . import buckets, tc
+from . import buckets, tc, tcx
 from .maps import FlowKey, MapReader, MapSnapshot
 
 log = logging.getLogger(__name__)
@@ -180,6 +182,8 @@ class ProbeSet:
         self._sched_cls: Any = None
         self._progs: dict[str, Any] = {}
         self._reader: MapReader | None = None
+        self._tcx: bool | None = None  # whether the kernel has tcx links; None: not tried
+        self._links: list[tcx.Link] = []
         self._filters: list[tc.Filter] = []
         self._clsacts: list[tuple[str, int]] = []  # clsact qdiscs we added
         self._written: dict[int, int] = {}  # bitmap words as last written
@@ -197,9 +201,9 @@ class ProbeSet:
         return self._bpf is not None
 
     @property
-    def attachments(self) -> tuple[tc.Filter, ...]:
-        """The TC filters this probe set added and has not removed yet."""
-        return tuple(self._filters)
+    def attachments(self) -> tuple[tcx.Link | tc.Filter, ...]:
+        """The tcx links and TC filters this probe set added and has not removed yet."""
+        return (*self._links, *self._filters)
 
     def start(self) -> None:
         """Compiles and attaches (blocking). On failure nothing stays attached."""
@@ -229,7 +233,7 @@ class ProbeSet:
                 self._write_ports()
 
     def pause(self) -> None:
-        """Detaches the TC filters but keeps the programs and maps: counting stops, the
+        """Detaches the TC programs but keeps the programs and maps: counting stops, the
         figures so far stay, resume() needs no recompile. Used by the bench to compare
         with and without the probes under one unbroken load."""
         with self._lock:
@@ -238,11 +242,11 @@ class ProbeSet:
             self._detach_tc()
 
     def resume(self) -> None:
-        """Attaches the filters again after pause()."""
+        """Attaches the TC programs again after pause()."""
         with self._lock:
             if self._bpf is None:
                 raise RuntimeError("probes not started")
-            if not self._filters:
+            if not self.attachments:
                 try:
                     self._attach_all()
                 except Exception:
@@ -361,16 +365,38 @@ class ProbeSet:
     def _attach(self, ipr: Any, ifname: str) -> None:
         ifindex, link_type, entry = self._link(ipr, ifname)
         prog = self._progs[entry]
+        hooks = tc.directions(link_type)
         try:
+            if tc.has_clsact(ipr, ifindex):
+                for parent in (tc.INGRESS, tc.EGRESS):
+                    tc.remove_stale(ipr, ifname, ifindex, parent)
+            if self._tcx is not False and self._attach_tcx(ifname, ifindex, hooks, prog.fd):
+                return
             if not tc.has_clsact(ipr, ifindex):
                 tc.add_clsact(ipr, ifindex)
                 self._clsacts.append((ifname, ifindex))
-            for parent in tc.directions(link_type):
-                tc.remove_stale(ipr, ifname, ifindex, parent)
+            for parent in hooks:
                 self._filters.append(tc.add_filter(ipr, ifname, ifindex, parent, prog.fd,
                                                    prog.name.decode()))
         except NetlinkError as exc:
             raise ProbeUnavailable(f"cannot attach to {ifname}: {exc}") from exc
+
+    def _attach_tcx(self, ifname: str, ifindex: int, hooks: tuple[int, ...],
+                    prog_fd: int) -> bool:
+        """Attaches through tcx links; False when this kernel has none (found out on the
+        first attach, then the loader uses cls_bpf filters everywhere)."""
+        for parent in hooks:
+            try:
+                self._links.append(tcx.attach(ifname, ifindex, parent == tc.INGRESS, prog_fd))
+            except OSError as exc:
+                if self._tcx is None and exc.errno in (errno.EINVAL, errno.ENOSYS):
+                    log.info("probes: no tcx links on this kernel (%s); attaching as cls_bpf "
+                             "filters", exc.strerror)
+                    self._tcx = False
+                    return False
+                raise ProbeUnavailable(f"cannot attach to {ifname}: {exc.strerror}") from exc
+            self._tcx = True
+        return True
 
     def _write_ports(self) -> None:
         words = _bitmap(self._ports)
@@ -382,8 +408,8 @@ class ProbeSet:
         self._written = words
 
     def _teardown(self) -> None:
-        """Removes our filters, then the clsact qdiscs we added, then the programs and
-        tracepoints. Keeps going past errors so one failure does not strand the rest."""
+        """Removes our links and filters, then the clsact qdiscs we added, then the programs
+        and tracepoints. Keeps going past errors so one failure does not strand the rest."""
         self._detach_tc()
         self._reader = None
         self._progs = {}
@@ -395,6 +421,12 @@ class ProbeSet:
             self._bpf = None
 
     def _detach_tc(self) -> None:
+        for link in reversed(self._links):
+            try:
+                tcx.detach(link)
+            except OSError:
+                log.exception("could not close tcx link %s", link)
+        self._links = []
         if self._filters or self._clsacts:
             try:
                 with IPRoute() as ipr:

@@ -21,11 +21,15 @@ import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+_ROOT = Path(__file__).resolve().parent.parent
 _counter = itertools.count()
 # Per-process subnet numbers: 10.<A>.<B>.0/24 and fd6c:6d<A>:<B>::/64 with A from the pid,
 # B from a counter, so concurrent test processes and topologies get disjoint addresses.
@@ -210,6 +214,37 @@ def qdisc_kinds(ifname: str, ns: Netns | None = None) -> list[str]:
     argv = ["tc", "-j", "qdisc", "show", "dev", ifname]
     out = (ns.run(argv) if ns else sh(argv)).stdout.strip()
     return [q["kind"] for q in json.loads(out or "[]")]
+
+
+_TCX_QUERY = """
+import json, socket, sys
+sys.path.insert(0, {root!r})
+from probes import tcx
+idx = socket.if_nametoindex({ifname!r})
+print(json.dumps(tcx.prog_ids(idx, {ingress!r})))
+"""
+
+
+def tcx_progs(ifname: str, direction: str, ns: Netns | None = None) -> list[int]:
+    """Ids of the programs on an interface's tcx hook ("ingress" or "egress")."""
+    from probes import tcx
+
+    ingress = direction == "ingress"
+    if ns is None:
+        return tcx.prog_ids(socket.if_nametoindex(ifname), ingress)
+    code = _TCX_QUERY.format(root=str(_ROOT), ifname=ifname, ingress=ingress)
+    return json.loads(ns.run([sys.executable, "-c", code]).stdout)
+
+
+def attached(ifname: str, ns: Netns | None = None) -> list[str]:
+    """Everything on an interface's TC hooks (tcx programs, clsact filters, the clsact
+    qdisc itself), one line each: [] when nothing is."""
+    out = []
+    for direction in ("ingress", "egress"):
+        out += [f"tcx {direction} prog {i}" for i in tcx_progs(ifname, direction, ns)]
+        out += [f"tc {direction} {f['kind']} {f['options'].get('bpf_name', '')}"
+                for f in tc_filters(ifname, direction, ns)]
+    return out + [f"qdisc {k}" for k in qdisc_kinds(ifname, ns) if k == "clsact"]
 
 
 def _del_link(name: str, where: Netns) -> None:

@@ -4,6 +4,8 @@ resume. Runs as root on veth pairs into namespaces it creates, never on real int
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import socket
 import subprocess
@@ -34,9 +36,12 @@ def bpf_prog_fds() -> int:
     return n
 
 
-def ours(ifname: str, direction: str) -> list[dict]:
-    return [f for f in nettopo.tc_filters(ifname, direction)
-            if f["options"].get("bpf_name", "").startswith("lm_tc_")]
+def ours(ifname: str, direction: str) -> list[int]:
+    """Ids of our programs on a hook: tcx links (nothing else here makes them) and
+    cls_bpf filters named lm_tc_*."""
+    return nettopo.tcx_progs(ifname, direction) + [
+        f["options"]["prog"]["id"] for f in nettopo.tc_filters(ifname, direction)
+        if f["options"].get("bpf_name", "").startswith("lm_tc_")]
 
 
 def post(host: str, port: int, model: str) -> int:
@@ -135,8 +140,7 @@ def test_failure_half_way_detaches_what_was_attached(topo: nettopo.VethTopo) -> 
     with pytest.raises(ProbeUnavailable, match="^interface lmnosuch0 not found$"):
         probes.start()
     assert probes.attachments == () and not probes.running
-    assert nettopo.tc_filters(topo.host_if, "ingress") == []
-    assert "clsact" not in nettopo.qdisc_kinds(topo.host_if)
+    assert nettopo.attached(topo.host_if) == []
     assert bpf_prog_fds() == fds
 
 
@@ -169,8 +173,7 @@ def test_detaches_exactly_what_it_attached(topo: nettopo.VethTopo,
         # the foreign filter and the clsact it hangs on were there before: they stay
         names = [f["options"]["bpf_name"] for f in nettopo.tc_filters(topo.host_if, "ingress")]
         assert names == ["foreign_tc"]
-        # on the other interface the clsact was ours: it goes
-        assert "clsact" not in nettopo.qdisc_kinds(other.host_if)
+        assert nettopo.attached(other.host_if) == []
         assert probes.attachments == () and bpf_prog_fds() == fds
         probes.stop()  # idempotent
 
@@ -186,13 +189,13 @@ def test_replaces_filters_left_by_a_killed_agent(topo: nettopo.VethTopo) -> None
         idx = ipr.link_lookup(ifname=topo.host_if)[0]
         ipr.tc("add-filter", "bpf", idx, 1, fd=fn.fd, name=fn.name, parent=0xFFFFFFF2,
                classid=1, direct_action=True, prio=5, protocol=3)
-    stale_id = ours(topo.host_if, "ingress")[0]["options"]["prog"]["id"]
+    (stale_id,) = ours(topo.host_if, "ingress")
     stale.cleanup()  # the filter keeps the program alive, as after a SIGKILL
     probes = ProbeSet([topo.host_if], [8000])
     probes.start()
     try:
         (only,) = ours(topo.host_if, "ingress")
-        assert only["options"]["prog"]["id"] != stale_id
+        assert only != stale_id
     finally:
         probes.stop()
         nettopo.sh(["tc", "qdisc", "del", "dev", topo.host_if, "clsact"], check=False)
@@ -208,7 +211,7 @@ def test_port_list_changes_without_recompile_and_pause_keeps_counts(
         probes = ProbeSet([topo.host_if], [8001])
         probes.start()
         try:
-            bpf, filters = probes._bpf, nettopo.tc_filters(topo.host_if, "ingress")
+            bpf, progs = probes._bpf, ours(topo.host_if, "ingress")
             assert post(topo.ns_v4, 8001, "ports-a") == 200
             assert post(topo.ns_v4, 8002, "ports-b") == 200
             assert (responses(probes, "ports-a"), responses(probes, "ports-b")) == (1, 0)
@@ -218,7 +221,7 @@ def test_port_list_changes_without_recompile_and_pause_keeps_counts(
             assert (responses(probes, "ports-a"), responses(probes, "ports-b")) == (1, 1)
             # same programs, same filters: nothing was compiled or attached again
             assert probes._bpf is bpf
-            assert nettopo.tc_filters(topo.host_if, "ingress") == filters
+            assert ours(topo.host_if, "ingress") == progs
 
             probes.pause()
             assert ours(topo.host_if, "ingress") == [] and probes.attachments == ()
@@ -265,3 +268,34 @@ def test_falls_back_to_the_tail_call_entry_when_refused(topo: nettopo.VethTopo,
         finally:
             probes.stop()
     assert ours(topo.host_if, "ingress") == []
+
+
+def test_falls_back_to_cls_bpf_filters_without_tcx(topo: nettopo.VethTopo,
+                                                   foreign_filter: str,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel before 6.6 refuses tcx links with EINVAL: the probes go on as cls_bpf
+    filters in front of the foreign one, count, and leave the foreign clsact as it was."""
+    from probes import tcx
+
+    def no_tcx(*_args: object) -> tcx.Link:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(tcx, "attach", no_tcx)
+    caplog.set_level(logging.INFO, logger="probes.loader")
+    with topo.ns.popen(SERVER + ["--port", "8001"], ready="ready"):
+        probes = ProbeSet([topo.host_if], [8001])
+        probes.start()
+        try:
+            assert "no tcx links on this kernel" in caplog.text
+            names = [f["options"]["bpf_name"] for f in nettopo.tc_filters(topo.host_if, "ingress")]
+            assert sorted(names) == ["foreign_tc", "lm_tc_eth"]
+            assert len(ours(topo.host_if, "egress")) == 1
+            assert nettopo.tcx_progs(topo.host_if, "ingress") == []
+            assert post(topo.ns_v4, 8001, "cls-bpf") == 200
+            time.sleep(0.05)
+            assert responses(probes, "cls-bpf") == 1
+        finally:
+            probes.stop()
+    names = [f["options"]["bpf_name"] for f in nettopo.tc_filters(topo.host_if, "ingress")]
+    assert names == ["foreign_tc"] and ours(topo.host_if, "egress") == []

@@ -59,9 +59,7 @@ def env() -> Iterator[Env]:
         finally:
             probes.stop()
             # nothing of ours may outlive the probes
-            assert nettopo.tc_filters(topo.host_if, "ingress") == []
-            assert nettopo.tc_filters(topo.host_if, "egress") == []
-            assert "clsact" not in nettopo.qdisc_kinds(topo.host_if)
+            assert nettopo.attached(topo.host_if) == []
 
 
 # ---- a raw HTTP/1.1 client ----
@@ -558,7 +556,7 @@ def test_loopback_is_probed_in_one_direction_and_counts_once(env: Env) -> None:
         out = ns.run([sys.executable, "-c", script], timeout=120)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         assert result == {"counted": 20, "filters": 1}
-        assert nettopo.tc_filters("lo", "ingress", ns) == []
+        assert nettopo.attached("lo", ns) == []
 
 
 def test_report_shows_the_traffic(env: Env) -> None:

@@ -121,7 +121,7 @@ def test_the_probes_run_with_the_units_capabilities_and_filter(run_dir: Path) ->
             assert agent.proc.wait(30) == 0, agent.logs()
         finally:
             agent.stop()
-        assert nettopo.tc_filters(topo.host_if, "ingress") == []
+        assert nettopo.attached(topo.host_if) == []
 
 
 @needs_root
