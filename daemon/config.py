@@ -171,7 +171,7 @@ class ProbesConfig:
     required: bool = _key(False, doc="exit instead of running without probes")
     window_s: float = _key(10.0, _range(1, 300), "sliding window of the latency percentiles, s")
     scan_limit: int = _key(1024, _between(64, 4096),
-                           'request body bytes searched for "model" (docs/probes.md)')
+                           'request body bytes searched for "model" at each end (docs/probes.md)')
     max_connections: int = _key(16384, _between(1, 1 << 22), "in-flight map: live connections")
     max_fingerprints: int = _key(16384, _between(1, 1 << 22),
                                  "fingerprints map: flow x model x status rows")

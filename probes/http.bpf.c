@@ -556,7 +556,30 @@ static __always_inline int finish(struct lm_ctx *c, struct lm_flow_state *st, in
 /* ---- request direction ---- */
 
 static __always_inline void lose_req(struct lm_flow_state *st) {
-    st->flags &= ~(LM_F_REQ_FRAMED | LM_F_AWAIT_MODEL);
+    st->flags &= ~(LM_F_REQ_FRAMED | LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN);
+}
+
+/* In the tail scan, moves c->pos past the body bytes before its last LM_SCAN_LIMIT. */
+static __always_inline void tail_skip(struct lm_ctx *c, struct lm_flow_state *st) {
+    s32 from = (s32)(st->req_next - LM_SCAN_LIMIT - c->seq);
+    if (from > (s32)c->pos)
+        c->pos = from < (s32)c->len ? (u32)from : c->len;
+}
+
+/* The body's first LM_SCAN_LIMIT bytes held no "model". Clients that write the keys in the
+ * order they were given put it after "messages" (openai-python does), so near the end of
+ * a long body: when the end is known (Content-Length), its last LM_SCAN_LIMIT bytes are
+ * searched too. Returns 0 when there is nothing left to search. */
+static __always_inline int tail_scan(struct lm_ctx *c, struct lm_flow_state *st) {
+    if ((st->flags & (LM_F_REQ_FRAMED | LM_F_TAIL_SCAN)) != LM_F_REQ_FRAMED)
+        return 0;
+    s32 left = (s32)(st->req_next - c->seq - c->pos); /* body bytes not searched yet */
+    if (left <= 0)
+        return 0;
+    st->flags |= LM_F_TAIL_SCAN;
+    st->scan_left = left < LM_SCAN_LIMIT ? (u32)left : LM_SCAN_LIMIT;
+    tail_skip(c, st);
+    return 1;
 }
 
 /* Does the rest of this segment hold more request work? */
@@ -604,8 +627,10 @@ static __always_inline int model_scan(struct __sk_buff *skb, struct lm_scratch *
     st->scan_left -= f.stop - a;
     c->pos = wbase + f.stop;
     if (st->scan_left == 0) {
-        st->flags &= ~LM_F_AWAIT_MODEL;
-        err(LM_ERR_SCAN_GAVE_UP);
+        if (!tail_scan(c, st)) {
+            st->flags &= ~LM_F_AWAIT_MODEL;
+            err(LM_ERR_SCAN_GAVE_UP);
+        }
     } else if ((st->flags & LM_F_REQ_FRAMED) && (s32)(st->req_next - c->seq) <= (s32)c->pos) {
         st->flags &= ~LM_F_AWAIT_MODEL; /* the body ended: it had no "model" */
     }
@@ -639,7 +664,7 @@ static __always_inline int req_head(struct __sk_buff *skb, struct lm_scratch *s,
         return 0;
     }
     push_request(st, seg_time(c), kind == 2);
-    st->flags &= ~LM_F_AWAIT_MODEL;
+    st->flags &= ~(LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN);
     if (h.len)
         st->req_win = h.len + LM_BODY_PEEK < LM_WIN ? h.len + LM_BODY_PEEK : LM_WIN;
     st->scan_left = LM_SCAN_LIMIT;
@@ -691,6 +716,11 @@ static __always_inline int req_step(struct __sk_buff *skb, struct lm_scratch *s,
         }
     } else {
         s32 r = (s32)(st->req_next - c->seq);
+        if (st->flags & LM_F_TAIL_SCAN) {
+            tail_skip(c, st);
+            if (c->pos >= c->len)
+                return 0;
+        }
         if (st->flags & LM_F_AWAIT_MODEL) {
             if (r > (s32)c->pos)
                 sc.end = r < (s32)c->len ? (u32)r : c->len;

@@ -311,8 +311,8 @@ class ProbeSet:
         ncpu = len(bcc.utils.get_possible_cpus())
         self._reader = MapReader(self._bpf, lib, ncpu)
         self._attach_all()
-        log.info("probes attached to %s for ports %s", ", ".join(self._interfaces),
-                 ", ".join(map(str, self._ports)))
+        log.info("probes attached to %s (%s) for ports %s", ", ".join(self._interfaces),
+                 "tcx links" if self._tcx else "cls_bpf filters", ", ".join(map(str, self._ports)))
 
     def _compile(self, bcc: Any, tracefs: Path, variant: tuple[str, ...]) -> Any:
         cflags = [

@@ -55,6 +55,7 @@
 #define LM_F_UPGRADED 32     /* 101 Switching Protocols: the connection left HTTP/1 */
 #define LM_F_FIN_CLIENT 64
 #define LM_F_FIN_SERVER 128
+#define LM_F_TAIL_SCAN 256   /* the model search moved on to the body's last LM_SCAN_LIMIT bytes */
 
 /* A TCP connection as seen from the server: IPv4 addresses are stored IPv4-mapped
  * (::ffff:a.b.c.d) so both families share one key. Ports in host byte order. */

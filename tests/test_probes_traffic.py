@@ -406,15 +406,49 @@ def test_ipv6(env: Env) -> None:
     assert (format_ip(key[2]), key[3]) == (env.topo.ns_v6, PORT)
 
 
+def openai_python_body(model: str, prompt_bytes: int, **after: object) -> bytes:
+    """A body in openai-python's key order: "messages" first, "model" after them."""
+    return json.dumps({"messages": [{"role": "user", "content": "p" * prompt_bytes}],
+                       "model": model, **after}).encode()
+
+
+def test_model_after_long_messages_is_found_in_the_body_tail(env: Env) -> None:
+    counts = Counts(env.probes)
+    client = Client(env.topo.ns_v4)
+    limit = env.probes.scan_limit
+    # one segment (the veth carries up to 64 KiB at once)
+    assert client.call(None, body=openai_python_body("tail-a", 20_000, temperature=0.2))[0] == 200
+    # the body in pieces: the tail starts in one segment, "model" comes in the next
+    body = openai_python_body("tail-b", 30_000, max_tokens=64, stream=False)
+    at = body.index(b'"model"')
+    head, _ = request(None, body=body)
+    client.send(head, body[:at - limit // 2], body[at - limit // 2:at - 10], body[at - 10:],
+                gap=0.05)
+    assert client.response()[0] == 200
+    # a body only a little longer than the limit: the tail overlaps what the head scan read
+    assert client.call(None, body=openai_python_body("tail-c", limit))[0] == 200
+    # "model" in the middle of a long body, beyond both ends' limits: no model
+    middle = openai_python_body("middle", 5_000, tools=[{"description": "t" * 5_000}])
+    assert client.call(None, body=middle)[0] == 200
+    assert client.call("after-the-tails")[0] == 200  # the connection's state recovered
+    client.close()
+    got, snap = counts.after()
+    assert got == {("tail-a", 200): 1, ("tail-b", 200): 1, ("tail-c", 200): 1, ("-", 200): 1,
+                   ("after-the-tails", 200): 1}
+    assert counts.errors(snap) == {"scan_gave_up": 1}
+
+
 def test_model_beyond_the_limits_counts_as_no_model(env: Env) -> None:
     counts = Counts(env.probes)
     client = Client(env.topo.ns_v4)
     long_name = "x" * (env.probes.scan_limit + 100)  # longer than the scan limit itself
     assert client.call(long_name)[0] == 200
-    # "model" after more body than the scan may read
-    late = json.dumps({"messages": [{"role": "user", "content": "y" * 3000}],
-                       "model": "too-late"}).encode()
-    assert client.call(None, body=late)[0] == 200
+    # "model" beyond the limit in a chunked body, whose end the probe cannot know
+    late = openai_python_body("too-late", 3000)
+    head, _ = request(None, body=late, extra={"Transfer-Encoding": "chunked"})
+    head = head.replace(b"Content-Length: %d\r\n" % len(late), b"")
+    client.send(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(late), late))
+    assert client.response()[0] == 200
     # "model" after the messages, within the limit, in the body's own segment
     head, body = request(None, body=json.dumps(
         {"messages": [{"role": "user", "content": "z" * 400}], "model": "after-messages"}
