@@ -110,11 +110,14 @@ struct lm_ctx {
     __u32 n;
     __u32 stop;
     __u32 hlen;
+    __u64 vhash; /* parse_value's state: FNV-1a of the value so far */
+    __u32 vlen;  /* value bytes hashed */
+    __u8 vphase; /* PV_* */
     __u8 chunked;
     __u8 steps;
     __u8 fin;
     __u8 rst;
-    __u8 pad[4];
+    __u8 pad[3];
 };
 
 struct lm_scratch {
@@ -396,43 +399,89 @@ static __always_inline u32 skip_space(struct lm_scratch *s, u32 v, u32 n) {
     return LOAD(s->c.cur);
 }
 
-/* Parses `: "value"` after the key ending at win[v] and hashes the value with FNV-1a 64;
- * leaves its length in s->name.len and its window offset in s->c.cur. Escapes are hashed
+/* Where parse_value is in `"model" : "value"`; kept across segments in carry_phase. */
+#define PV_KEY 0   /* after the key: spaces, then ':' */
+#define PV_COLON 1 /* after ':': spaces, then the opening quote */
+#define PV_VALUE 2 /* inside the value: c->vlen bytes hashed into c->vhash */
+
+/* Parses `: "value"` from win[v], in phase c->vphase, and hashes the value with FNV-1a 64;
+ * leaves its length in s->name.len and its window offset in s->c.cur. On VAL_CUT the
+ * c->vphase, c->vhash and c->vlen it leaves let the next segment go on. Escapes are hashed
  * as written (model names carry none). */
 static __always_inline int parse_value(struct lm_scratch *s, u32 v, u32 n, u64 *id) {
     const u8 *w = s->win;
-    /* through the scratch: find_key's exits in each iteration must look alike here */
-    s->c.n = n;
-    s->c.cur = v;
-    v = LOAD(s->c.cur);
-    n = LOAD(s->c.n);
-    v = skip_space(s, v, n);
-    if (v >= n)
-        return VAL_CUT;
-    if (rd8(w, v) != ':')
-        return VAL_INVALID;
-    v = skip_space(s, v + 1, n);
-    if (v >= n)
-        return VAL_CUT;
-    if (rd8(w, v) != '"')
-        return VAL_INVALID;
-    v++;
-    u64 h = FNV_OFFSET;
-    for (u32 i = 0; i <= LM_NAME_MAX; i++) {
-        if (v + i >= n)
+    struct lm_ctx *c = &s->c;
+    /* through the scratch: the paths that lead here must look alike */
+    c->n = n;
+    c->cur = v;
+    v = LOAD(c->cur);
+    n = LOAD(c->n);
+    if (c->vphase == PV_KEY) {
+        v = skip_space(s, v, n);
+        if (v >= n)
             return VAL_CUT;
+        if (rd8(w, v) != ':')
+            return VAL_INVALID;
+        c->vphase = PV_COLON;
+        v++;
+    }
+    if (c->vphase == PV_COLON) {
+        v = skip_space(s, v, n);
+        if (v >= n)
+            return VAL_CUT;
+        if (rd8(w, v) != '"')
+            return VAL_INVALID;
+        c->vphase = PV_VALUE;
+        c->vhash = FNV_OFFSET;
+        c->vlen = 0;
+        v++;
+    }
+    u64 h = c->vhash;
+    u32 done = c->vlen;
+    if (done > LM_NAME_MAX)
+        return VAL_TOO_LONG;
+    /* one bound per byte, as for a value that starts here: the window's end or the byte
+     * past the longest name, whichever comes first */
+    u32 stop = v + (LM_NAME_MAX - done) + 1;
+    c->lim = stop < n ? stop : n;
+    c->stop = 0;
+    for (u32 i = 0; i <= LM_NAME_MAX + 1; i++) {
+        if (v + i >= LOAD(c->lim)) {
+            c->stop = i;
+            break;
+        }
         u8 ch = rd8(w, v + i);
         if (ch == '"') {
             s->name.len = i;
-            s->c.cur = v; /* where the value starts, for set_model */
+            c->cur = v; /* where the value starts, for set_model */
             *id = h;
             return VAL_FOUND;
         }
-        if (i == LM_NAME_MAX)
-            return VAL_TOO_LONG;
         h = (h ^ ch) * FNV_PRIME;
     }
-    return VAL_TOO_LONG;
+    u32 seen = LOAD(c->stop);
+    if (v + seen < n)
+        return VAL_TOO_LONG;
+    c->vhash = h;
+    c->vlen = done + seen;
+    return VAL_CUT;
+}
+
+/* Bytes of a "model" key at the start of the window (1-6) whose first part ended the
+ * previous segment: `tail` holds that segment's last 7 searched bytes, oldest in the low
+ * byte. 0 when the two do not join into the key. At most one split point can match: each
+ * puts a different key byte last in `tail`. */
+static __always_inline u32 bridged_key(struct lm_scratch *s, u64 tail, u32 n) {
+    u64 head = rd64(s->win, 0);
+    s->c.cur = 0;
+#pragma unroll
+    for (u32 j = 1; j < 7; j++) {
+        u64 in_tail = (1ULL << (8 * (7 - j))) - 1, in_head = (1ULL << (8 * j)) - 1;
+        if (j <= n && (tail >> (8 * j)) == (KEY7 & in_tail) &&
+            (head & in_head) == (KEY7 >> (8 * (7 - j))))
+            s->c.cur = j;
+    }
+    return LOAD(s->c.cur);
 }
 
 /* ---- request queue of a connection ---- */
@@ -456,11 +505,15 @@ static __always_inline void push_request(struct lm_flow_state *st, u64 now, int 
 }
 
 /* The newest request gets the model; one that overflowed the ring keeps model 0. The
- * name goes to `models` once, copied from the packet (the window holds payload from wbase). */
+ * name goes to `models` once, copied from the packet (the window holds payload from wbase);
+ * a value that began in an earlier segment (name_here 0) leaves that to a later request. */
 static __always_inline void set_model(struct __sk_buff *skb, struct lm_scratch *s,
-                                      struct lm_flow_state *st, u64 id, u32 wbase) {
+                                      struct lm_flow_state *st, u64 id, u32 wbase,
+                                      int name_here) {
     if (!st->overflow && st->tail != st->head)
         st->ring[(st->tail - 1) & (LM_PIPE_DEPTH - 1)].model_id = id;
+    if (!name_here)
+        return;
     u32 slot = id & (NAMED_SLOTS - 1);
     u64 *seen = named.lookup(&slot);
     if (!seen || *seen == id)
@@ -555,15 +608,21 @@ static __always_inline int finish(struct lm_ctx *c, struct lm_flow_state *st, in
 
 /* ---- request direction ---- */
 
+#define CARRIES (LM_F_KEY_CARRY | LM_F_VAL_CARRY)
+
 static __always_inline void lose_req(struct lm_flow_state *st) {
-    st->flags &= ~(LM_F_REQ_FRAMED | LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN);
+    if (st->flags & LM_F_VAL_CARRY)
+        err(LM_ERR_MODEL_LOST);
+    st->flags &= ~(LM_F_REQ_FRAMED | LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN | CARRIES);
 }
 
 /* In the tail scan, moves c->pos past the body bytes before its last LM_SCAN_LIMIT. */
 static __always_inline void tail_skip(struct lm_ctx *c, struct lm_flow_state *st) {
     s32 from = (s32)(st->req_next - LM_SCAN_LIMIT - c->seq);
-    if (from > (s32)c->pos)
+    if (from > (s32)c->pos) {
         c->pos = from < (s32)c->len ? (u32)from : c->len;
+        st->flags &= ~CARRIES; /* what they carried does not continue here */
+    }
 }
 
 /* The body's first LM_SCAN_LIMIT bytes held no "model". Clients that write the keys in the
@@ -604,24 +663,51 @@ static __always_inline int model_scan(struct __sk_buff *skb, struct lm_scratch *
     if (lim - a > st->scan_left)
         lim = a + st->scan_left;
     int final = wbase + n >= end;
-    struct found f = find_key(s, a, lim, n, final, 'm', KEY7, 1);
-    if (f.at >= 0) {
+    /* a carry is set only at the end of a window, so this window starts where it stopped */
+    u16 carry = st->flags & CARRIES;
+    st->flags &= ~CARRIES;
+    struct found f = {.at = -1};
+    s32 from = -1; /* where parse_value starts */
+    c->vphase = PV_KEY;
+    if (carry & LM_F_VAL_CARRY) {
+        c->vphase = st->carry_phase;
+        c->vhash = st->carry;
+        c->vlen = st->carry_len;
+        from = 0;
+    } else if (carry && n >= 8) {
+        u32 j = bridged_key(s, st->carry, n);
+        if (j)
+            from = j;
+    }
+    if (from < 0) {
+        carry = 0;
+        f = find_key(s, a, lim, n, final, 'm', KEY7, 1);
+        if (f.at >= 0)
+            from = f.at + 7;
+    }
+    if (from >= 0) {
         u64 id = 0;
-        int r = parse_value(s, f.at + 7, n, &id);
-        if (r == VAL_CUT && !final && (f.at > (int)a || n < LM_WIN)) {
+        int r = parse_value(s, from, n, &id);
+        if (r == VAL_CUT && !carry && !final && (f.at > (int)a || n < LM_WIN)) {
             /* the value runs past the window, and a window from the key holds more */
             st->scan_left -= f.at - a;
             c->pos = wbase + f.at;
             return 1;
         }
-        st->flags &= ~LM_F_AWAIT_MODEL;
         c->pos = wbase + n;
+        if (r == VAL_CUT) {
+            /* cut by the segment's end (or, going on from a carry, the window's) */
+            st->carry = c->vhash;
+            st->carry_len = c->vlen;
+            st->carry_phase = c->vphase;
+            st->flags |= LM_F_VAL_CARRY;
+            return req_more(c, st);
+        }
+        st->flags &= ~LM_F_AWAIT_MODEL;
         if (r == VAL_FOUND)
-            set_model(skb, s, st, id, wbase);
+            set_model(skb, s, st, id, wbase, c->vlen == 0);
         else if (r == VAL_TOO_LONG)
             err(LM_ERR_MODEL_TOO_LONG);
-        else if (r == VAL_CUT)
-            err(LM_ERR_MODEL_CUT);
         return req_more(c, st);
     }
     st->scan_left -= f.stop - a;
@@ -633,6 +719,10 @@ static __always_inline int model_scan(struct __sk_buff *skb, struct lm_scratch *
         }
     } else if ((st->flags & LM_F_REQ_FRAMED) && (s32)(st->req_next - c->seq) <= (s32)c->pos) {
         st->flags &= ~LM_F_AWAIT_MODEL; /* the body ended: it had no "model" */
+    } else if (final && c->pos >= c->len && n >= 8) {
+        /* the body goes on in the next segment: its start may finish a key begun here */
+        st->carry = rd64(s->win, n - 8) >> 8;
+        st->flags |= LM_F_KEY_CARRY;
     }
     return req_more(c, st);
 }
@@ -664,7 +754,7 @@ static __always_inline int req_head(struct __sk_buff *skb, struct lm_scratch *s,
         return 0;
     }
     push_request(st, seg_time(c), kind == 2);
-    st->flags &= ~(LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN);
+    st->flags &= ~(LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN | CARRIES);
     if (h.len)
         st->req_win = h.len + LM_BODY_PEEK < LM_WIN ? h.len + LM_BODY_PEEK : LM_WIN;
     st->scan_left = LM_SCAN_LIMIT;

@@ -38,7 +38,7 @@
 #define LM_ERR_MODELS_FULL 2      /* models map full: a model's name is not shown */
 #define LM_ERR_SCAN_GAVE_UP 3     /* scan limit reached without a "model" key */
 #define LM_ERR_MODEL_TOO_LONG 4   /* "model" value longer than LM_NAME_MAX */
-#define LM_ERR_MODEL_CUT 5        /* "model" value split across two segments */
+#define LM_ERR_MODEL_LOST 5       /* "model" cut by a segment end, and the bytes after it lost */
 #define LM_ERR_RESP_NO_REQ 6      /* response with no request waiting for it */
 #define LM_ERR_PIPE_OVERFLOW 7    /* request beyond LM_PIPE_DEPTH outstanding */
 #define LM_ERR_FRAMING_LOST 8     /* expected a head where the framing pointed, found none */
@@ -56,6 +56,8 @@
 #define LM_F_FIN_CLIENT 64
 #define LM_F_FIN_SERVER 128
 #define LM_F_TAIL_SCAN 256   /* the model search moved on to the body's last LM_SCAN_LIMIT bytes */
+#define LM_F_KEY_CARRY 512   /* carry: the last 7 bytes searched, a "model" key may go on */
+#define LM_F_VAL_CARRY 1024  /* carry: FNV-1a of a "model" value cut by the segment end */
 
 /* A TCP connection as seen from the server: IPv4 addresses are stored IPv4-mapped
  * (::ffff:a.b.c.d) so both families share one key. Ports in host byte order. */
@@ -90,6 +92,12 @@ struct lm_flow_state {
     __u8 pad;
     __u16 req_win;      /* bytes to copy for the next request head: the last head's length */
     __u16 resp_win;     /* plus some slack, so a keep-alive flow copies little beyond it */
+    /* A "model" key or value cut by the end of a segment, for the next one to finish
+     * (LM_F_KEY_CARRY, LM_F_VAL_CARRY): the bytes, or the value's hash so far. */
+    __u64 carry;
+    __u8 carry_len;   /* LM_F_VAL_CARRY: value bytes hashed */
+    __u8 carry_phase; /* LM_F_VAL_CARRY: where parse_value stopped (PV_*) */
+    __u8 pad2[6];
 };
 
 struct lm_fp_key {

@@ -412,6 +412,34 @@ def openai_python_body(model: str, prompt_bytes: int, **after: object) -> bytes:
                        "model": model, **after}).encode()
 
 
+def test_model_key_or_value_cut_by_a_segment_end(env: Env) -> None:
+    """The body split at every byte from before "model" to after its value: the key, the
+    colon, the space, the quotes or the name cut by the end of a segment."""
+    model = "cut-model/Llama-3.1-8B"
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": model,
+                       "stream": False}).encode()
+    key = body.index(b'"model"')
+    end = body.index(model.encode()) + len(model) + 1
+    counts = Counts(env.probes)
+    client = Client(env.topo.ns_v4)
+    assert client.call(model)[0] == 200  # the name, from a request not cut
+    for cut in range(key - 1, end + 2):
+        head, _ = request(None, body=body)
+        client.send(head + body[:cut], body[cut:], gap=0.03)
+        assert client.response()[0] == 200
+    # a value cut while the first window of the segment still had room, in a new connection
+    client.close()
+    client = Client(env.topo.ns_v4)
+    for cut in (key + 12, end - 1):
+        head, _ = request(None, body=body)
+        client.send(head, body[:cut], body[cut:], gap=0.03)
+        assert client.response()[0] == 200
+    client.close()
+    got, snap = counts.after()
+    assert got == {(model, 200): 1 + (end + 2 - (key - 1)) + 2}
+    assert counts.errors(snap) == {}
+
+
 def test_model_after_long_messages_is_found_in_the_body_tail(env: Env) -> None:
     counts = Counts(env.probes)
     client = Client(env.topo.ns_v4)
