@@ -455,14 +455,18 @@ def test_model_after_long_messages_is_found_in_the_body_tail(env: Env) -> None:
     assert client.response()[0] == 200
     # a body only a little longer than the limit: the tail overlaps what the head scan read
     assert client.call(None, body=openai_python_body("tail-c", limit))[0] == 200
+    # two long ones pipelined in one write: the first's tail scan ends at the second's head
+    client.send(b"".join(request(None, body=openai_python_body(m, 9_000))[0]
+                         + openai_python_body(m, 9_000) for m in ("tail-d", "tail-e")))
+    assert [client.response()[0] for _ in range(2)] == [200, 200]
     # "model" in the middle of a long body, beyond both ends' limits: no model
     middle = openai_python_body("middle", 5_000, tools=[{"description": "t" * 5_000}])
     assert client.call(None, body=middle)[0] == 200
     assert client.call("after-the-tails")[0] == 200  # the connection's state recovered
     client.close()
     got, snap = counts.after()
-    assert got == {("tail-a", 200): 1, ("tail-b", 200): 1, ("tail-c", 200): 1, ("-", 200): 1,
-                   ("after-the-tails", 200): 1}
+    assert got == {("tail-a", 200): 1, ("tail-b", 200): 1, ("tail-c", 200): 1, ("tail-d", 200): 1,
+                   ("tail-e", 200): 1, ("-", 200): 1, ("after-the-tails", 200): 1}
     assert counts.errors(snap) == {"scan_gave_up": 1}
 
 
