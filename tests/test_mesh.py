@@ -131,8 +131,9 @@ def test_mesh_join_converge_kill_partition_heal_and_wrong_key(run_dir: Path) -> 
         a3.proc.kill()
         wait_for("n3 dead everywhere",
                  lambda: all(states(a).get("n3") == "dead" for a in (a0, a1, a2)), 20, agents)
-        time.sleep(0.3)  # the routing table follows the gossip table every 100 ms
-        assert "n3" not in {a0.best("llama")["node_id"] for _ in range(40)}
+        # the routing table follows the gossip table every 100 ms (later on a loaded machine)
+        wait_for("no more routing to n3",
+                 lambda: "n3" not in {a0.best("llama")["node_id"] for _ in range(40)}, 5, agents)
 
         # Partition {n0, n1} | {n2} with nftables inside n2's namespace, both ways.
         nft(a2, f"""table inet lmpart {{
