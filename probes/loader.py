@@ -4,9 +4,8 @@ ProbeSet.start() compiles http.bpf.c + tcpstats.bpf.c once with BCC (about 2 s, 
 daemon calls it from a worker thread), attaches the TC programs to each interface (as tcx
 links, or as cls_bpf filters on kernels before 6.6) and the tracepoints, and keeps a record
 of every link, filter and clsact qdisc it added. stop(), and any failure inside start(),
-removes exactly those. What cannot work here (not root, no BPF,
-no kernel headers, no such interface) raises ProbeUnavailable with a one-line reason for
-`probes: degraded: <reason>`.
+removes exactly those. What cannot work here (not root, no BPF, no kernel headers, no such
+interface) raises ProbeUnavailable with a one-line reason for `probes: degraded: <reason>`.
 """
 
 from __future__ import annotations
@@ -233,7 +232,7 @@ class ProbeSet:
                 self._write_ports()
 
     def pause(self) -> None:
-        """Detaches the TC programs but keeps the programs and maps: counting stops, the
+        """Detaches from the interfaces but keeps the programs and maps: counting stops, the
         figures so far stay, resume() needs no recompile. Used by the bench to compare
         with and without the probes under one unbroken load."""
         with self._lock:
