@@ -43,10 +43,6 @@ class Filter:
     parent: int
     prio: int
 
-    @property
-    def direction(self) -> str:
-        return "ingress" if self.parent == INGRESS else "egress"
-
 
 def link(ipr: Any, ifname: str) -> tuple[int, int]:
     """(ifindex, ARPHRD link type) of an interface; LookupError when there is none."""

@@ -70,10 +70,6 @@ class Link:
     ingress: bool
     fd: int
 
-    @property
-    def direction(self) -> str:
-        return "ingress" if self.ingress else "egress"
-
 
 def attach(ifname: str, ifindex: int, ingress: bool, prog_fd: int) -> Link:
     """Appends the program to the interface's tcx hook. OSError when the kernel has no tcx
