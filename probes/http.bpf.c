@@ -110,6 +110,7 @@ struct lm_ctx {
     __u32 n;
     __u32 stop;
     __u32 hlen;
+    __u32 line;  /* parse_head: where the window's last line starts */
     __u64 vhash; /* parse_value's state: FNV-1a of the value so far */
     __u32 vlen;  /* value bytes hashed */
     __u8 vphase; /* PV_* */
@@ -117,7 +118,13 @@ struct lm_ctx {
     __u8 steps;
     __u8 fin;
     __u8 rst;
-    __u8 pad[3];
+    /* A request head longer than a window goes on in the next step at c->pos (hcont), with
+     * what the windows before found: Content-Length (hhas, hclen), Transfer-Encoding. */
+    __u8 hcont;
+    __u8 hhas;
+    __u8 hchunked;
+    __u32 hclen;
+    __u8 pad[4];
 };
 
 struct lm_scratch {
@@ -247,6 +254,7 @@ static __always_inline void parse_head(struct lm_scratch *s, u32 n, struct head 
     c->cl_at = 0;
     c->hlen = 0;
     c->chunked = 0;
+    c->line = 0;
     u32 zero = LOAD(c->zero);
     u32 p = zero;
     n ^= zero;
@@ -262,6 +270,7 @@ static __always_inline void parse_head(struct lm_scratch *s, u32 n, struct head 
         if (l > n)
             break;
         p = l;
+        c->line = l;
         if (l + 2 <= n && rd8(w, l) == '\r' && rd8(w, l + 1) == '\n') {
             c->hlen = l + 2;
             break;
@@ -289,14 +298,19 @@ static __always_inline void parse_head(struct lm_scratch *s, u32 n, struct head 
             d++;
     u64 v = 0;
     int digits = 0;
+    int ended = 0;
     for (int i = 0; i < 10; i++) {
-        u8 ch = rd8(w, d + i);
-        if (ch < '0' || ch > '9')
+        if (d + i >= n)
             break;
+        u8 ch = rd8(w, d + i);
+        if (ch < '0' || ch > '9') {
+            ended = 1;
+            break;
+        }
         v = v * 10 + (ch - '0');
         digits++;
     }
-    if (digits && v <= 0x7fffffff) {
+    if (digits && ended && v <= 0x7fffffff) {
         h->clen = v;
         h->has_clen = 1;
     }
@@ -744,20 +758,44 @@ static __always_inline int req_head(struct __sk_buff *skb, struct lm_scratch *s,
                                     struct scan *sc) {
     struct lm_ctx *c = &s->c;
     struct head h = {};
-    u32 n = load_head(skb, s, at, st->req_win, &h);
-    if (!kind && n >= 8)
-        kind = method_kind(rd64(s->win, 0));
-    if (!kind) {
-        /* the framing pointed here, but no request starts here */
-        err(LM_ERR_FRAMING_LOST);
-        lose_req(st);
+    int cont = c->hcont;
+    u32 n = load_head(skb, s, at, cont ? LM_WIN : st->req_win, &h);
+    if (!cont) {
+        if (!kind && n >= 8)
+            kind = method_kind(rd64(s->win, 0));
+        if (!kind) {
+            /* the framing pointed here, but no request starts here */
+            err(LM_ERR_FRAMING_LOST);
+            lose_req(st);
+            return 0;
+        }
+        push_request(st, seg_time(c), kind == 2);
+        st->flags &= ~(LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN | CARRIES);
+        st->scan_left = LM_SCAN_LIMIT;
+        c->hhas = 0;
+        c->hchunked = 0;
+        if (h.len)
+            st->req_win = h.len + LM_BODY_PEEK < LM_WIN ? h.len + LM_BODY_PEEK : LM_WIN;
+    }
+    c->hcont = 0;
+    if (!h.has_clen && c->hhas) {
+        h.has_clen = 1;
+        h.clen = c->hclen;
+    }
+    h.chunked |= c->hchunked;
+    u32 line = LOAD(c->line);
+    if (!h.len && line > 1 && at + n < c->len) {
+        /* The head goes on past the window (openai-python's are ~650 bytes): the next
+         * step parses on from the line end before the last line, which the window may
+         * have cut. Within this segment only: a head cut by a segment end is not framed. */
+        c->hcont = 1;
+        c->hhas = h.has_clen;
+        c->hclen = h.clen;
+        c->hchunked = h.chunked;
+        c->pos = at + line - 1;
+        st->req_win = LM_WIN;
         return 0;
     }
-    push_request(st, seg_time(c), kind == 2);
-    st->flags &= ~(LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN | CARRIES);
-    if (h.len)
-        st->req_win = h.len + LM_BODY_PEEK < LM_WIN ? h.len + LM_BODY_PEEK : LM_WIN;
-    st->scan_left = LM_SCAN_LIMIT;
     u32 end = c->len;
     if (h.len && !h.chunked) {
         st->req_next = c->seq + at + h.len + h.clen;
@@ -795,7 +833,10 @@ static __always_inline int req_step(struct __sk_buff *skb, struct lm_scratch *s,
     u32 at = 0;
     if (st->flags & LM_F_UPGRADED)
         return 0;
-    if (!(st->flags & LM_F_REQ_FRAMED)) {
+    if (c->hcont) {
+        at = c->pos; /* the rest of a head the last step began */
+        framed_head = 1;
+    } else if (!(st->flags & LM_F_REQ_FRAMED)) {
         /* without framing a head is recognised only at the start of a segment */
         if (c->steps == 1 && c->pos == 0)
             kind = method_kind(peek8(skb, c, 0));
@@ -826,7 +867,7 @@ static __always_inline int req_step(struct __sk_buff *skb, struct lm_scratch *s,
     }
     if (kind || framed_head) {
         if (!req_head(skb, s, st, at, kind, &sc))
-            return req_more(c, st);
+            return c->hcont || req_more(c, st);
     } else {
         sc.n = load_win(skb, s, c->pos, sc.end);
         if (!sc.n) {
@@ -1217,6 +1258,7 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
     c->seq = bpf_ntohl(th.seq);
     c->pos = 0;
     c->steps = 0;
+    c->hcont = 0;
     c->now = 0;
 #ifdef LM_ENTRY_TAILCALL
     /* for verifiers that refuse the entry program with the first step inline (see loader) */

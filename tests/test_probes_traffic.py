@@ -470,6 +470,45 @@ def test_model_after_long_messages_is_found_in_the_body_tail(env: Env) -> None:
     assert counts.errors(snap) == {"scan_gave_up": 1}
 
 
+def openai_python_head(body: bytes) -> bytes:
+    """The head openai-python (httpx) sends: about 650 bytes, more than one window."""
+    fields = {"Host": "probe-test:8000", "Accept-Encoding": "gzip, deflate",
+              "Connection": "keep-alive", "Accept": "application/json",
+              "Content-Type": "application/json", "User-Agent": "OpenAI/Python 1.54.0",
+              "X-Stainless-Lang": "python", "X-Stainless-Package-Version": "1.54.0",
+              "X-Stainless-OS": "Linux", "X-Stainless-Arch": "x64",
+              "X-Stainless-Runtime": "CPython", "X-Stainless-Runtime-Version": "3.11.2",
+              "Authorization": "Bearer sk-proj-" + "k" * 150, "X-Stainless-Async": "false",
+              "x-stainless-retry-count": "0", "x-stainless-read-timeout": "600",
+              "Content-Length": str(len(body))}
+    return ("POST /v1/chat/completions HTTP/1.1\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n").encode()
+
+
+def test_heads_longer_than_a_window(env: Env) -> None:
+    """openai-python's ~650-byte heads: framed (so the body's tail is searched, and
+    pipelined requests are followed), whether the body comes with the head or after it."""
+    counts = Counts(env.probes)
+    client = Client(env.topo.ns_v4)
+    for i in range(3):
+        body = openai_python_body(f"long-head-{i}", 5_000 * i, temperature=0.2)
+        head = openai_python_head(body)
+        assert len(head) > 600
+        if i == 1:
+            client.send(head, body, gap=0.03)
+        else:
+            client.send(head + body)
+        assert client.response()[0] == 200
+    pipelined = [openai_python_body(f"long-head-p{i}", 3_000) for i in range(2)]
+    client.send(b"".join(openai_python_head(b) + b for b in pipelined))
+    assert [client.response()[0] for _ in range(2)] == [200, 200]
+    client.close()
+    got, snap = counts.after()
+    assert got == {("long-head-0", 200): 1, ("long-head-1", 200): 1, ("long-head-2", 200): 1,
+                   ("long-head-p0", 200): 1, ("long-head-p1", 200): 1}
+    assert counts.errors(snap) == {}
+
+
 def test_model_beyond_the_limits_counts_as_no_model(env: Env) -> None:
     counts = Counts(env.probes)
     client = Client(env.topo.ns_v4)
