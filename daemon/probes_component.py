@@ -66,8 +66,8 @@ class ProbesComponent:
         self._reader = FingerprintReader(probes, window_s=self.config.window_s)
         self._poller = asyncio.create_task(self._poll(), name="probes-poll")
         self._health = OK
-        log.info("attached to %s, ports %s", ", ".join(self.config.interfaces),
-                 ", ".join(map(str, self.config.ports)))
+        log.info("attached to %s (%s), ports %s", ", ".join(self.config.interfaces),
+                 probes.attached_as, ", ".join(map(str, self.config.ports)))
 
     def _unavailable(self, reason: str) -> None:
         if self.config.required:

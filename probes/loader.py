@@ -200,6 +200,11 @@ class ProbeSet:
         return self._bpf is not None
 
     @property
+    def attached_as(self) -> str:
+        """How the TC programs are attached: "tcx links" or "cls_bpf filters"."""
+        return "tcx links" if self._tcx else "cls_bpf filters"
+
+    @property
     def attachments(self) -> tuple[tcx.Link | tc.Filter, ...]:
         """The tcx links and TC filters this probe set added and has not removed yet."""
         return (*self._links, *self._filters)
@@ -310,8 +315,6 @@ class ProbeSet:
         ncpu = len(bcc.utils.get_possible_cpus())
         self._reader = MapReader(self._bpf, lib, ncpu)
         self._attach_all()
-        log.info("probes attached to %s (%s) for ports %s", ", ".join(self._interfaces),
-                 "tcx links" if self._tcx else "cls_bpf filters", ", ".join(map(str, self._ports)))
 
     def _compile(self, bcc: Any, tracefs: Path, variant: tuple[str, ...]) -> Any:
         cflags = [

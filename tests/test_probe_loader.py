@@ -166,6 +166,7 @@ def test_detaches_exactly_what_it_attached(topo: nettopo.VethTopo,
         try:
             for ifname in (topo.host_if, other.host_if):
                 assert len(ours(ifname, "ingress")) == 1 and len(ours(ifname, "egress")) == 1
+            assert probes.attached_as == "tcx links"
             assert len(probes.attachments) == 4
         finally:
             probes.stop()
@@ -288,6 +289,7 @@ def test_falls_back_to_cls_bpf_filters_without_tcx(topo: nettopo.VethTopo,
         probes.start()
         try:
             assert "no tcx links on this kernel" in caplog.text
+            assert probes.attached_as == "cls_bpf filters"
             names = [f["options"]["bpf_name"] for f in nettopo.tc_filters(topo.host_if, "ingress")]
             assert sorted(names) == ["foreign_tc", "lm_tc_eth"]
             assert len(ours(topo.host_if, "egress")) == 1
