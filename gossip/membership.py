@@ -100,11 +100,20 @@ class PeerTable:
 
     # --- merge -----------------------------------------------------------------------------
 
-    def merge_key(self, peer: Peer, version: int, beat: int, now: int) -> bool:
-        """Take (version, beat) if it is news; True when it was."""
+    def merge_key(self, peer: Peer, version: int, beat: int, now: int, direct: bool = False) -> bool:
+        """Take (version, beat) if it is news; True when it was.
+
+        Only a newer version, or a beat from the peer itself (`direct`), makes the peer
+        fresh. A later beat relayed by a third node is kept, for ordering, but says
+        nothing about now: the peer may have died since that node heard it, and taking
+        it as fresh would let relays keep a dead node alive.
+        """
         if version < peer.version or (version == peer.version and beat <= peer.beat):
             return False
+        fresh = direct or version > peer.version
         peer.version, peer.beat = version, beat
+        if not fresh:
+            return True
         peer.fresh_at = now
         old = peer.state
         del self._by_state[old][peer.key]
@@ -117,7 +126,7 @@ class PeerTable:
         return True
 
     def merge_content(self, key: int, snap: LoadSnapshot, content: bytes, beat: int, addr: Addr,
-                      urgent: bool, now: int, delta: bytes | None = None) -> Peer | None:
+                      urgent: bool, now: int, delta: bytes | None = None, direct: bool = False) -> Peer | None:
         """Store the content if it is newer than the one held; the peer when it was.
 
         A node not yet in the table is added, unless the table is full and holds no dead
@@ -139,7 +148,7 @@ class PeerTable:
             peer.snapshot, peer.content, peer.urgent, peer.delta = snap, content, urgent, delta
             peer.addr = addr
         # Even old content may come with a beat that is news.
-        self.merge_key(peer, snap.version, beat, now)
+        self.merge_key(peer, snap.version, beat, now, direct)
         return peer if stored else None
 
     # --- failure detection -----------------------------------------------------------------

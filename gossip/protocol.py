@@ -24,10 +24,11 @@ How news travels (docs/gossip.md has the figures):
    announcements and gets the peer's in return (the same on join with the seeds, and now
    and then with a dead peer, which heals partitions).
 
-A node that has published nothing new for beat_interval announces a beat: the same
-version, vouched for later. Peers judge liveness only by when they received a newer
-(version, beat), by their own clock; a peer that turns suspect is asked directly for a
-fresh beat (gossip/suspicion.py), so lost beats do not kill a live node.
+Every node sends each live peer a beat directly, once per beat_interval: its version,
+vouched for as of now. Peers judge liveness only by when they received a newer version,
+or a later beat from the node itself, by their own clock (a beat relayed by a third node
+says nothing about now); a peer that turns suspect is asked directly for a fresh beat
+(gossip/suspicion.py), so lost beats do not kill a live node.
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ class GossipCore:
         self.queue = BroadcastQueue()
         self.limiter = SourceLimiter(params.rate_per_source, params.rate_burst, params.max_sources)
         self._relay_budget = TokenBucket(params.urgent_relays_per_s, 2 * params.urgent_relays_per_s)
-        self._timers_for = self._limits_for = -1
-        self._limits = (0, 0)  # retransmit limits of beats, of news
+        self._timers_for = self._limit_for = -1
+        self._limit = 0  # retransmit limit of an announcement, for the mesh's size
         self._timer_values = (0, 0, 0, 0)
         self.counts: Counter[str] = Counter({name: 0 for name in _BASE_COUNTERS})
         self.pulls = PullTracker(params.pull_timeout_ms, params.pull_retries, params.max_peers)
@@ -131,6 +132,11 @@ class GossipCore:
         self._own_beat = 0
         self._published_at = 0
         self._own_moved_at = 0
+        # Live peers in the order they get direct beats, and the next one's index.
+        self._beat_order: list[int] = []
+        self._beat_next = 0
+        self._beat_credit = 0.0  # beats owed since the last round, fraction included
+        self._beats_at = 0
         self._now: int | None = None
         self._next_round = self._next_push_pull = self._next_dead_sync = self._next_join = 0
 
@@ -144,6 +150,7 @@ class GossipCore:
             self._next_push_pull = now + int(p.push_pull_interval_ms * self.rng.uniform(0.5, 1.5))
             self._next_dead_sync = now + p.dead_sync_interval_ms
             self._next_join = now + p.join_retry_ms
+            self._beats_at = now
         elif now < self._now:
             now = self._now  # a driver's clock must not go back; the table relies on it
         self._now = now
@@ -194,9 +201,8 @@ class GossipCore:
                 out += self._pull(peer.gossip_addr, [(key, peer.snapshot.version)])
         if now >= self._next_round:
             self._next_round = now + int(p.interval_ms * self.rng.uniform(1 - p.jitter, 1 + p.jitter))
-            if self._own is not None and now - self._own_moved_at >= beat:
-                self._beat(now)
             out += self._round()
+            out += self._beats(now, beat)
         if now >= self._next_push_pull:
             self._next_push_pull = now + p.push_pull_ms(self.table.live_count + 1)
             targets = self.table.sample_live(1, self.rng)
@@ -216,8 +222,8 @@ class GossipCore:
     def publish(self, snapshot: LoadSnapshot, urgent: bool, now_ms: int) -> Outgoing:
         """Make `snapshot` this node's own; the datagrams that push it at once.
 
-        The version must not go back. The same version again is a beat when only its
-        timestamp moved forward, and nothing when nothing moved."""
+        The version must not go back. The same version again, with the same content,
+        changes nothing: beats go out on their own timer."""
         now = self._clock(now_ms)
         if snapshot.node_id != self.node_id:
             raise ValueError(f"snapshot of {snapshot.node_id!r} published by {self.node_id!r}")
@@ -230,8 +236,6 @@ class GossipCore:
                 raise ValueError(f"version went back: {own.version} -> {snapshot.version}")
             if replace(snapshot, timestamp_ms=own.timestamp_ms) != own or snapshot.timestamp_ms < own.timestamp_ms:
                 raise ValueError(f"version {own.version} published twice with different content")
-            if snapshot.timestamp_ms > own.timestamp_ms:
-                self._beat(now)
             return []
         content = encode(snapshot)
         if own is not None:
@@ -240,26 +244,73 @@ class GossipCore:
         self._own, self._own_content, self._own_urgent = snapshot, content, urgent
         self._own_beat = 0
         self._published_at = self._own_moved_at = now
-        self._announce(self.key, snapshot.version, 0, news=True)
+        self._announce(self.key, snapshot.version, 0)
         fanout = self.params.urgent_fanout if urgent else self.params.fanout
         targets = [peer.gossip_addr for peer in self.table.sample_live(fanout, self.rng)]
         record = self._own_record(self._own_prev_version)
         return self._content_to(targets, [record]) if record else []
 
-    def _beat(self, now: int) -> None:
+    def _vouch(self, now: int) -> None:
+        """This node's version, vouched for as of now: the beat that goes out next."""
         assert self._own is not None
-        self._own_beat = min(now - self._published_at, wire.MAX_U32)
+        self._own_beat = max(self._own_beat, min(now - self._published_at, wire.MAX_U32))
         self._own_moved_at = now
-        self._announce(self.key, self._own.version, self._own_beat, news=False)
 
-    def _announce(self, key: int, version: int, beat: int, news: bool) -> None:
-        """Queue (key, version, beat) for the rounds: a new version (news) is sent more
-        times than a beat, which only says the node is still there."""
+    def _beats(self, now: int, beat: int) -> Outgoing:
+        """Beats, sent by the owner straight to each live peer, once per beat interval.
+
+        Each round takes the next share of a fixed order of the live peers (new peers
+        join its end): live / beat per ms since the last round, the fraction carried
+        over, so a peer hears a beat every beat interval, steadily. A beat
+        relayed by gossip would reach each node about R times over; sent directly it
+        reaches it once, costs one small datagram, and stops at once when this node
+        dies, which is what failure detection waits for. Beats go on while a new
+        version spreads: they also tell a node that missed its announcements.
+        """
+        elapsed, self._beats_at = now - self._beats_at, now
+        live = self.table.live_count
+        if self._own is None or live == 0:
+            self._beat_credit = 0.0
+            return []
+        self._beat_credit = min(self._beat_credit + live * elapsed / beat, live)
+        share = int(self._beat_credit)
+        if share == 0:
+            return []
+        self._beat_credit -= share
+        self._vouch(now)
+        datagram = wire.seal(Kind.GOSSIP, self.key,
+                             wire.pack_entries([(self.key, self._own.version, self._own_beat)]), self.keyring)
+        out: Outgoing = []
+        refilled = False
+        while len(out) < share:
+            if self._beat_next >= len(self._beat_order):
+                if refilled:
+                    break  # fewer live peers than the share: each got its beat
+                self._refill_beat_order()
+                refilled = True
+                continue
+            peer = self.table.get(self._beat_order[self._beat_next])
+            self._beat_next += 1
+            if peer is not None and peer.state is not PeerState.DEAD:
+                out.append((peer.gossip_addr, datagram))
+        return self._count_sent(out)
+
+    def _refill_beat_order(self) -> None:
+        """The next pass: the same order for the peers still there, new live ones after
+        them in random order, so each peer's beats stay one interval apart."""
+        kept = [k for k in self._beat_order if (p := self.table.get(k)) is not None and p.state is not PeerState.DEAD]
+        have = set(kept)
+        new = [p.key for p in self.table.sample_live(self.table.live_count, self.rng) if p.key not in have]
+        self._beat_order = kept + new
+        self._beat_next = 0
+
+    def _announce(self, key: int, version: int, beat: int) -> None:
+        """Queue (key, version, beat) for the rounds, to be sent `retransmit_limit` times."""
         n = self.table.live_count + 1
-        if n != self._limits_for:
-            self._limits_for = n
-            self._limits = (self.params.retransmit_limit(n, beat=True), self.params.retransmit_limit(n))
-        self.queue.put(key, version, beat, self._limits[news])
+        if n != self._limit_for:
+            self._limit_for = n
+            self._limit = self.params.retransmit_limit(n)
+        self.queue.put(key, version, beat, self._limit)
 
     def _own_record(self, have: int) -> bytes | None:
         own = self._own
@@ -329,7 +380,7 @@ class GossipCore:
 
     def _on_gossip(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
         entries = list(wire.unpack_entries(dg.body))
-        out = self._pull(addr, self._absorb(entries, addr, now))
+        out = self._pull(addr, self._absorb(entries, dg.sender, addr, now))
         if dg.flags & wire.FLAG_REPLY:
             # Push-pull rumour mongering: answer a round's contact with this node's own
             # queued news, less what the contact just sent. Each entry still goes out at
@@ -353,8 +404,9 @@ class GossipCore:
                 known.add(k)
         return known
 
-    def _absorb(self, entries: Iterable[tuple[int, int, int]], addr: Addr, now: int) -> list[tuple[int, int]]:
-        """Take the news in announcements; the (key, version held) to pull."""
+    def _absorb(self, entries: Iterable[tuple[int, int, int]], sender: int, addr: Addr,
+                now: int) -> list[tuple[int, int]]:
+        """Take the news in announcements from `sender`; the (key, version held) to pull."""
         wants: list[tuple[int, int]] = []
         table, get, own_key = self.table, self.table.get, self.key
         for k, v, b in entries:
@@ -364,8 +416,7 @@ class GossipCore:
                 if v < known or (v == known and b <= peer.beat):
                     continue  # old news, by far the most common case
                 held = peer.snapshot.version
-                if table.merge_key(peer, v, b, now) and held == v:
-                    self._announce(k, v, b, news=False)
+                table.merge_key(peer, v, b, now, k == sender)
                 if v > held and self.pulls.want(k, v, held, addr, now):
                     wants.append((k, held))
             elif k == own_key:
@@ -400,14 +451,9 @@ class GossipCore:
         for key, have in wire.unpack_wants(dg.body):
             if key == self.key and self._own is not None:
                 # Vouch for this node's version as of now, in whatever answers.
-                self._own_beat = max(self._own_beat, min(now - self._published_at, wire.MAX_U32))
-                if have >= self._own.version:
-                    # A probe: the asker holds the latest version and suspects this node.
-                    # Answer with an announcement, and announce a beat to all, as the
-                    # others are about to suspect it too (one per beat interval at most).
-                    probed = True
-                    if now - self._own_moved_at >= self.params.beat_interval_ms:
-                        self._beat(now)
+                self._vouch(now)
+                # A probe: the asker holds the latest version and suspects this node.
+                probed = have >= self._own.version
             record = self._record_for(key, have)
             if record is not None:
                 records.append(record)
@@ -419,7 +465,7 @@ class GossipCore:
 
     def _on_sync(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
         entries = list(wire.unpack_entries(dg.body))
-        out = self._pull(addr, self._absorb(entries, addr, now))
+        out = self._pull(addr, self._absorb(entries, dg.sender, addr, now))
         # What the sender is behind on, among the nodes it listed.
         records = [r for k, v, _ in entries if (r := self._record_for(k, v))]
         out += self._content_to([addr], records)
@@ -437,12 +483,13 @@ class GossipCore:
         out: Outgoing = []
         for rec in records:
             if isinstance(rec, FullRecord):
-                out += self._absorb_full(rec, addr, now, wants)
+                out += self._absorb_full(rec, dg.sender, addr, now, wants)
             else:
-                out += self._absorb_delta(rec, addr, now, wants)
+                out += self._absorb_delta(rec, dg.sender, addr, now, wants)
         return self._pull(addr, wants) + out
 
-    def _absorb_full(self, rec: FullRecord, addr: Addr, now: int, wants: list[tuple[int, int]]) -> Outgoing:
+    def _absorb_full(self, rec: FullRecord, sender: int, addr: Addr, now: int,
+                     wants: list[tuple[int, int]]) -> Outgoing:
         try:
             snap = self.codec.snapshot(rec.content)
         except SnapshotError:
@@ -457,9 +504,11 @@ class GossipCore:
         peer = self.table.get(key)
         if peer is not None and peer.node_id != snap.node_id:
             return self._drop("key_collision")
-        return self._store(key, snap, rec.content, rec.beat, rec.addr, rec.flags, None, addr, now, wants)
+        return self._store(key, snap, rec.content, rec.beat, rec.addr, rec.flags, None, key == sender, addr, now,
+                           wants)
 
-    def _absorb_delta(self, rec: DeltaRecord, addr: Addr, now: int, wants: list[tuple[int, int]]) -> Outgoing:
+    def _absorb_delta(self, rec: DeltaRecord, sender: int, addr: Addr, now: int,
+                      wants: list[tuple[int, int]]) -> Outgoing:
         peer = self.table.get(rec.key)
         held = peer.snapshot.version if peer is not None else 0
         if rec.version <= held:
@@ -479,10 +528,11 @@ class GossipCore:
             if self.pulls.want(rec.key, rec.version, held, addr, now):
                 wants.append((rec.key, held))
             return self._drop("bad_delta")
-        return self._store(rec.key, snap, content, rec.beat, peer.addr, rec.flags, rec.changes, addr, now, wants)
+        return self._store(rec.key, snap, content, rec.beat, peer.addr, rec.flags, rec.changes, rec.key == sender,
+                           addr, now, wants)
 
     def _store(self, key: int, snap: LoadSnapshot, content: bytes, beat: int, owner_addr: Addr,
-               flags: int, delta: bytes | None, src: Addr, now: int,
+               flags: int, delta: bytes | None, direct: bool, src: Addr, now: int,
                wants: list[tuple[int, int]]) -> Outgoing:
         if snap.timestamp_ms > now + self.wall_offset_ms + self.params.max_clock_skew_ms:
             return self._drop("future")
@@ -491,13 +541,13 @@ class GossipCore:
         if before is None and not self._room_for_new():
             return []
         urgent = bool(flags & wire.RECORD_URGENT)
-        peer = self.table.merge_content(key, snap, content, beat, owner_addr, urgent, now, delta)
+        peer = self.table.merge_content(key, snap, content, beat, owner_addr, urgent, now, delta, direct)
         if peer is None:
             return []
         self.counts["records_stored"] += 1
         self.pulls.done(key, snap.version)
         if peer.version == snap.version:
-            self._announce(key, snap.version, peer.beat, news=True)
+            self._announce(key, snap.version, peer.beat)
         elif self.pulls.want(key, peer.version, snap.version, src, now):
             wants.append((key, snap.version))
         if self.observer is not None:

@@ -11,6 +11,11 @@ What the figures mean:
   with the time it had (so a lost version shows, as a large value).
 - bytes_per_node_per_s: UDP payload sent (headers and tags included, IP and UDP
   headers not) over the measurement window, per live node and second.
+- content_floor_bytes_per_node_per_s: the changes themselves, as the mesh encodes them
+  (the delta of each version from the one before, the full snapshot on a change of
+  shape), published per second by the other nodes over the same window: what each node
+  must receive at the very least, before any header, tag, announcement or resend. The
+  ratio of the two is what the protocol spends per byte of news.
 - false_dead: live nodes that any live node ever held as dead, over the whole run.
 - detect_dead: with kill=K, K random nodes stop at once (a third into the window); for
   each, the time until every live node holds it as dead (or has forgotten it); p99 over
@@ -30,6 +35,7 @@ import random
 from dataclasses import dataclass, field
 
 from gossip.codec import ContentCodec
+from gossip import delta
 from gossip.config import GossipParams
 from gossip.keyring import Keyring
 from gossip.membership import Peer, PeerState
@@ -140,6 +146,8 @@ class _Simulation:
         self.tick_at = [math.inf] * nodes
         self.sent = [0] * nodes
         self.window_bytes = 0
+        self.window_news = 0
+        self.last_flat: list[delta.Flat | None] = [None] * nodes
         self.max_datagram = 0
         codec = ContentCodec(capacity=max(4096, nodes * 16))
         keyring = Keyring([_KEY]) if keyed else None
@@ -196,7 +204,16 @@ class _Simulation:
             if not tracked:
                 m.first[i] = snap.version
             tracked.append(_Version(self.now, urgent))
+        self.count_news(i, encode(snap))
         self.send(i, self.cores[i].publish(snap, urgent, now_ms))
+
+    def count_news(self, i: int, data: bytes) -> None:
+        flat = delta.flatten(data)
+        base = self.last_flat[i]
+        self.last_flat[i] = flat
+        if self.now >= self.warmup:
+            change = delta.diff(base, flat) if base is not None else None
+            self.window_news += len(data) if change is None else len(change)
 
     def run(self) -> dict[str, object]:
         rng = self.rng
@@ -293,12 +310,14 @@ class _Simulation:
         window_s = (end - self.warmup) / 1000.0
         live_seconds = (self.n - self.kill) * window_s + self.kill * max(0.0, self.kill_at - self.warmup) / 1000.0
         versions = sum(len(t) for t in m.versions.values())
+        live = self.n - self.kill
         return {
             "nodes": self.n,
             "convergence_p50_s": _round(_percentile(times, 0.50)),
             "convergence_p99_s": _round(_percentile(times, 0.99)),
             "urgent_p99_s": _round(_percentile(urgent_times, 0.99)),
             "bytes_per_node_per_s": round(self.window_bytes / live_seconds) if live_seconds > 0 else None,
+            "content_floor_bytes_per_node_per_s": round(self.window_news * (live - 1) / live / window_s),
             "max_datagram_bytes": self.max_datagram,
             "false_dead": len(m.false_dead),
             "detect_dead_p99_s": _round(detect),

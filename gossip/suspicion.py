@@ -3,10 +3,9 @@
 A peer without news for suspect_after is suspect. Rather than let it die in silence, this
 node asks it directly, every probe_interval_ms until it is alive again or dead, for a
 fresh beat (a pull about itself, which a live node answers with its current version and
-beat). The answer counts like any other news: the receive time of a newer (version,
-beat). So a live peer whose beats were lost (loss, a slow tail of the gossip) is not
-declared dead, while a dead one is found dead exactly at dead_after: probes never delay
-the verdict, they only prevent wrong ones.
+beat). The answer comes from the peer itself, so it is fresh news: a live peer whose
+beats were lost is not declared dead, while a dead one is found dead exactly at
+dead_after. Probes never delay the verdict, they only prevent wrong ones.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ figure L in [0, 1] that moves like a random walk with jumps:
   every 5 s on average (measured over 10**6 steps: 5.0 s);
 - 1% of those changes are urgent: the node's state flips between ok and overloaded.
 
-There is no periodic heartbeat version here: liveness comes from the gossip beat.
+There is no periodic heartbeat version here: liveness comes from the beats.
 """
 
 from __future__ import annotations

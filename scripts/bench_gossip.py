@@ -94,7 +94,9 @@ def main() -> int:
             rows.append((scenario.name, goal.key, f"{goal.text} {goal.limit:g}",
                          "none" if value is None else f"{value:g}", "PASS" if ok else "FAIL"))
         rows.append(("", f"({result['seconds']:g} s simulated, {result['versions']} versions, "
-                     f"p50 {result['convergence_p50_s']} s, {result['bytes_per_node_per_s']} B/s, "
+                     f"p50 {result['convergence_p50_s']} s, {result['bytes_per_node_per_s']} B/s "
+                     f"for a content floor of {result['content_floor_bytes_per_node_per_s']} B/s "
+                     f"(x{result['bytes_per_node_per_s'] / result['content_floor_bytes_per_node_per_s']:.1f}), "
                      f"{wall:.0f} s to run)", "", "", ""))
     widths = [max(len(r[c]) for r in rows if r[1][:1] != "(") for c in range(5)]
     for row in rows:

@@ -98,10 +98,13 @@ def test_a_newer_key_is_news_an_equal_or_older_one_is_not() -> None:
     assert not table.merge_key(peer, 5, 100, 50)
     assert not table.merge_key(peer, 4, 900, 50)
     assert peer.fresh_at == 0
-    assert table.merge_key(peer, 5, 101, 60)
-    assert peer.fresh_at == 60
+    assert table.merge_key(peer, 5, 101, 60)  # a later beat, relayed: news, but not fresh
+    assert peer.fresh_at == 0
+    assert table.merge_key(peer, 5, 102, 65, direct=True)  # from the peer itself
+    assert peer.fresh_at == 65
     assert table.merge_key(peer, 6, 0, 70)  # a version announced before its content
     assert (peer.version, peer.snapshot.version) == (6, 5)
+    assert peer.fresh_at == 70
 
 
 # --- failure detection ----------------------------------------------------------------------
@@ -123,7 +126,10 @@ def test_states_follow_local_freshness_and_news_revives() -> None:
     assert table.get(node_key("b")).state is PeerState.SUSPECT
     assert table.live_count == 1
     assert [p.node_id for p in table.sample_live(5, random.Random(1))] == ["b"]
-    # News revives: the dead peer is alive and a gossip target again.
+    # News revives: the dead peer is alive and a gossip target again. A relayed beat
+    # does not: it says the peer was alive when the relay heard it, not that it is.
+    assert table.merge_key(table.get(node_key("a")), 1, 50, 2050)
+    assert table.get(node_key("a")).state is PeerState.DEAD
     assert table.merge_key(table.get(node_key("a")), 2, 0, 2100)
     assert table.get(node_key("a")).state is PeerState.ALIVE
     assert table.live_count == 2

@@ -197,6 +197,57 @@ def test_live_peer_with_lost_beats_is_saved_by_probes() -> None:
     assert mesh.state_of("sleeper") == {"watcher": "dead"}
 
 
+def beats_sent(core: GossipCore, out: Outgoing) -> list[Addr]:
+    """Where `out` sends `core`'s beat: a gossip datagram with only its own entry."""
+    dsts = []
+    for dst, data in out:
+        dg = wire.open_datagram(data, None, 1400)
+        if dg.kind is Kind.GOSSIP and [k for k, _, _ in wire.unpack_entries(dg.body)] == [core.key]:
+            dsts.append(dst)
+    return dsts
+
+
+def test_beats_go_straight_to_every_live_peer_once_per_interval() -> None:
+    mesh, cores = mesh_of(7)
+    me = cores[0]
+    others = {c.advertise for c in cores[1:]}
+    got: dict[Addr, list[int]] = {a: [] for a in others}
+    send = mesh.send
+
+    def watch(src: Addr, out: Outgoing) -> None:
+        if src == me.advertise:
+            for dst in beats_sent(me, out):
+                got[dst].append(mesh.now)
+        send(src, out)
+
+    mesh.send = watch  # type: ignore[method-assign]
+    mesh.run(3000)  # 10 beat intervals
+    for dst, times in got.items():
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert 9 <= len(times) <= 11, (dst, times)
+        assert max(gaps) <= FAST.beat_interval_ms + 2 * FAST.interval_ms, (dst, gaps)
+
+
+def test_relayed_beats_do_not_keep_a_dead_peer_alive() -> None:
+    mesh, cores = mesh_of(4)
+    victim, watcher, relay = cores[1], cores[2], cores[3]
+    mesh.down.add(victim.advertise)
+    mesh.run(FAST.dead_after_ms + 100)
+    assert watcher.snapshots(mesh.now)["node-1"].state is PeerState.DEAD
+    # A third node vouches for the victim's version with a beat later than any the
+    # watcher heard: news for the key, but not about now.
+    peer = watcher.table.get(victim.key)
+    version, beat = peer.version, peer.beat
+    entry = wire.pack_entries([(victim.key, version, beat + 1000)])
+    watcher.on_datagram(wire.seal(Kind.GOSSIP, relay.key, entry, None), relay.advertise, mesh.now)
+    assert peer.beat == beat + 1000
+    assert watcher.snapshots(mesh.now)["node-1"].state is PeerState.DEAD
+    # A later beat from the victim itself is proof of life.
+    entry = wire.pack_entries([(victim.key, version, beat + 2000)])
+    watcher.on_datagram(wire.seal(Kind.GOSSIP, victim.key, entry, None), victim.advertise, mesh.now)
+    assert watcher.snapshots(mesh.now)["node-1"].state is PeerState.ALIVE
+
+
 def test_partition_heals_by_itself() -> None:
     mesh, cores = mesh_of(6)
     left, right = cores[:3], cores[3:]
@@ -379,5 +430,6 @@ def test_publish_rules() -> None:
     with pytest.raises(ValueError, match="start at 1"):
         GossipCore("z", ("h", 1), FAST).publish(snap("z", 0), False, 0)
     assert core.publish(snap("me", 10), False, 5) == []
-    core.publish(snap("me", 10, now=700), False, 700)  # the same content, vouched later: a beat
-    assert core.queue.take(5) == [(core.key, 10, 700)]
+    # The same content, stamped later: nothing to send; beats have their own timer.
+    assert core.publish(snap("me", 10, now=700), False, 700) == []
+    assert core.queue.take(5) == [(core.key, 10, 0)]
