@@ -62,7 +62,7 @@ node_key = functools.lru_cache(maxsize=65_536)(wire.node_key)
 # Counters that exist from the start, so that a scrape sees zeros rather than gaps.
 _BASE_COUNTERS = (
     "datagrams_sent", "bytes_sent", "datagrams_received", "bytes_received", "records_stored",
-    "pulls_sent", "urgent_relays", "syncs_sent",
+    "pulls_sent", "urgent_relays", "syncs_sent", "beats_sent",
 )
 
 
@@ -293,6 +293,7 @@ class GossipCore:
             self._beat_next += 1
             if peer is not None and peer.state is not PeerState.DEAD:
                 out.append((peer.gossip_addr, datagram))
+        self.counts["beats_sent"] += len(out)
         return self._count_sent(out)
 
     def _refill_beat_order(self) -> None:
