@@ -34,7 +34,8 @@ def _gossip(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print("\n".join(f"{key:<22} {value}" for key, value in report.items()))
+        width = max(map(len, report))
+        print("\n".join(f"{key:<{width}} {value}" for key, value in report.items()))
     return 0
 
 
