@@ -71,7 +71,12 @@ def test_services_converge_and_release_their_sockets() -> None:
             assert rows[0]["node_id"] == "svc-0"
             assert {r["state"] for r in rows} == {"alive"}
             assert {r["addr"] for r in rows} == {f"127.0.0.1:{s.address[1]}" for s in services}
+            # Nothing new is published for longer than suspect_after: the direct beats
+            # alone keep every peer alive.
+            await asyncio.sleep(2 * PARAMS.suspect_after_ms / 1000)
+            assert {r["state"] for r in services[0].peers()} == {"alive"}
             counts = services[1].counters()
+            assert counts["beats_sent"] > 0
             assert counts["datagrams_sent"] > 0 and counts["bytes_received"] > 0
             assert not any(k.startswith("drop_") and v for k, v in counts.items() if k != "drop_pulls_full")
             ports = [s.address[1] for s in services]
