@@ -35,7 +35,6 @@ import random
 from dataclasses import dataclass, field
 
 from gossip.codec import ContentCodec
-from gossip import delta
 from gossip.config import GossipParams
 from gossip.keyring import Keyring
 from gossip.membership import Peer, PeerState
@@ -147,9 +146,9 @@ class _Simulation:
         self.sent = [0] * nodes
         self.window_bytes = 0
         self.window_news = 0
-        self.last_flat: list[delta.Flat | None] = [None] * nodes
+        self.last_content: list[bytes | None] = [None] * nodes
         self.max_datagram = 0
-        codec = ContentCodec(capacity=max(4096, nodes * 16))
+        self.codec = codec = ContentCodec(capacity=max(4096, nodes * 16))
         keyring = Keyring([_KEY]) if keyed else None
         self.cores = [
             GossipCore(self.ids[i], self.addrs[i], params, keyring, rng=random.Random(self.rng.getrandbits(64)),
@@ -204,16 +203,15 @@ class _Simulation:
             if not tracked:
                 m.first[i] = snap.version
             tracked.append(_Version(self.now, urgent))
-        self.count_news(i, encode(snap))
         self.send(i, self.cores[i].publish(snap, urgent, now_ms))
+        self.count_news(i, encode(snap))
 
-    def count_news(self, i: int, data: bytes) -> None:
-        flat = delta.flatten(data)
-        base = self.last_flat[i]
-        self.last_flat[i] = flat
+    def count_news(self, i: int, content: bytes) -> None:
+        # The shared codec already holds this delta: the core's publish just made it.
+        base, self.last_content[i] = self.last_content[i], content
         if self.now >= self.warmup:
-            change = delta.diff(base, flat) if base is not None else None
-            self.window_news += len(data) if change is None else len(change)
+            change = self.codec.diff(base, content) if base is not None else None
+            self.window_news += len(content) if change is None else len(change)
 
     def run(self) -> dict[str, object]:
         rng = self.rng
