@@ -123,11 +123,6 @@ def _range(low: float, high: float) -> Check:
     return lambda v: None if low <= v <= high else f"must be {low:g}..{high:g}, got {v:g}"
 
 
-def _targets(values: dict[str, float]) -> str | None:
-    bad = [name for name, ms in values.items() if not 0 < ms <= 3_600_000]
-    return f"targets must be 0..3600000 ms: {', '.join(bad)}" if bad else None
-
-
 def _advertise(value: str) -> str | None:
     if value and (len(value) > 253 or any(c.isspace() or c in "/[]" for c in value)):
         return f"not a host name or address: {value!r}"
@@ -170,13 +165,13 @@ class ProbesConfig:
     ports: tuple[int, ...] = _key((8000,), _ports, "TCP ports the inference servers listen on")
     required: bool = _key(False, doc="exit instead of running without probes")
     window_s: float = _key(10.0, _range(1, 300), "sliding window of the latency percentiles, s")
-    scan_limit: int = _key(1024, _between(64, 4096),
+    scan_limit: int = _key(65536, _between(64, 1 << 20),
                            'request body bytes searched for "model" at each end (docs/probes.md)')
     max_connections: int = _key(16384, _between(1, 1 << 22), "in-flight map: live connections")
     max_fingerprints: int = _key(16384, _between(1, 1 << 22),
                                  "fingerprints map: flow x model x status rows")
-    max_histogram_buckets: int = _key(8192, _between(1, 1 << 22),
-                                      "latency buckets in use, all models and ports")
+    max_histogram_buckets: int = _key(16384, _between(1, 1 << 22),
+                                      "latency buckets in use, all models, ports and kinds")
     max_models: int = _key(1024, _between(1, 1 << 22), "distinct model names kept")
 
 
@@ -244,9 +239,6 @@ class LoadConfig:
     half_life_s: float = _key(3.0, _range(0.1, 600), "score smoothing: a sample's weight halves in this time")
     degraded_at: float = _key(0.7, _range(0.01, 1), "score from which the node is degraded")
     overloaded_at: float = _key(0.9, _range(0.01, 1), "score from which the node is overloaded")
-    latency_target_ms: float = _key(2000.0, _range(0.01, 3_600_000),
-                                    "P99 time to first byte a model should stay under")
-    latency_targets_ms: dict[str, float] = _key({}, _targets, "per model name, overrides latency_target_ms")
     weights: ScoreWeights = field(default_factory=ScoreWeights)
 
     def __post_init__(self) -> None:

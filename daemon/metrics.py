@@ -32,11 +32,40 @@ from gossip.membership import PeerState
 from gossip.snapshot import LoadSnapshot
 from gossip.snapshot import State as NodeState
 
-# vLLM's time-to-first-token buckets (vllm:time_to_first_token_seconds), so that a
-# server's own histogram and the wire's can be put side by side bucket for bucket.
-TTFB_BUCKETS_S: tuple[float, ...] = (
+# vLLM's buckets for the same figures (vllm:time_to_first_token_seconds,
+# vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds), so that a server's
+# own histograms and the wire's can be put side by side bucket for bucket. Time to first
+# byte has no vLLM twin: it takes the time-to-first-token buckets.
+TTFT_BUCKETS_S: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0)
+E2E_BUCKETS_S: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# The latency histograms: kind, family, help, buckets.
+_LATENCY = (
+    ("ttfb", "loadmesh_time_to_first_byte_seconds",
+     "Time from a request's first byte to its answer's first byte on the wire (for a "
+     "stream, its head, which vLLM and other Starlette servers send before any token)",
+     TTFT_BUCKETS_S),
+    ("ttft", "loadmesh_time_to_first_token_seconds",
+     "Time from a request's first byte to its stream's first SSE data: event on the wire "
+     "(streamed answers only)", TTFT_BUCKETS_S),
+    ("itl", "loadmesh_inter_token_latency_seconds",
+     "Time between consecutive SSE data: events of a stream on the wire (0 for events "
+     "that came in one segment)", ITL_BUCKETS_S),
+    ("e2e", "loadmesh_request_duration_seconds",
+     "Time from a request's first byte to its answer's last byte on the wire (end of the "
+     "chunked body, of Content-Length, or the connection's close)", E2E_BUCKETS_S),
+)
+_LATENCY_NOTE = (", since the agent started, per model and endpoint. Buckets are vLLM's "
+                 "for the same figure; each counts up to the eBPF bucket edge nearest to it, "
+                 "at most 1/32 (3.1%) of the bound away; the sum comes from bucket "
+                 "midpoints, within 3.1%.")
 
 MIB = 1 << 20
 
@@ -169,21 +198,32 @@ class AgentCollector(Collector):
         yield from (info, healthy, util, used, total, temp, power, limit)
 
     def _requests(self) -> Iterator[Metric]:
+        labels = ["model", "endpoint"]
         requests = CounterMetricFamily(
-            "loadmesh_requests", "HTTP responses of the inference servers on this host, seen "
-            "by the eBPF probes since the agent started, by model and status code.",
-            labels=["model", "code"])
+            "loadmesh_requests", "HTTP answers of the inference servers on this host, seen "
+            "by the eBPF probes since the agent started, by model, endpoint and status code.",
+            labels=[*labels, "code"])
+        outcomes = CounterMetricFamily(
+            "loadmesh_request_outcomes", "How requests ended since the agent started: "
+            "complete, error (an error event inside a 200 stream), aborted (the client left "
+            "first), truncated (the server closed mid-answer), unanswered.",
+            labels=[*labels, "outcome"])
+        tokens = CounterMetricFamily(
+            "loadmesh_output_tokens", "Output tokens since the agent started: a stream's "
+            "data: events, replaced by its usage object's completion_tokens when one passed "
+            "(exact then, as for every non-streamed answer with usage).", labels=labels)
+        prompt = CounterMetricFamily(
+            "loadmesh_prompt_tokens", "Prompt tokens from the answers' usage objects, since "
+            "the agent started.", labels=labels)
+        waiting = GaugeMetricFamily(
+            "loadmesh_requests_waiting", "Requests sent and not yet given a first token (a "
+            "non-streamed one: not yet answered).", labels=labels)
+        running = GaugeMetricFamily(
+            "loadmesh_requests_running", "Requests whose answer streams tokens and has not "
+            "ended.", labels=labels)
         in_flight = GaugeMetricFamily("loadmesh_requests_in_flight", "Requests sent to this "
-                                      "host's inference servers and not answered yet.",
-                                      labels=["model"])
-        ttfb = HistogramMetricFamily(
-            "loadmesh_time_to_first_byte_seconds",
-            "Time from a request's first byte to its response's first byte on the wire (time "
-            "to first token for a streamed answer), since the agent started. Buckets are "
-            "vLLM's time-to-first-token buckets; each counts up to the eBPF bucket edge "
-            "nearest to it, at most 1/32 (3.1%) of the bound away (docs/operations.md "
-            "lists them); the sum comes from bucket midpoints, within 3.1%.",
-            labels=["model"])
+                                      "host's inference servers and not answered in full "
+                                      "yet: waiting + running.", labels=labels)
         errors = CounterMetricFamily("loadmesh_probe_errors", "Probe events that lost or "
                                      "misfiled a request, by reason (docs/probes.md).",
                                      labels=["reason"])
@@ -191,17 +231,28 @@ class AgentCollector(Collector):
         report = probes.summary()
         if report is not None:
             for row in report["models"]:
+                ids = [row["model"], row["endpoint"]]
                 for code, n in row["status"].items():
-                    requests.add_metric([row["model"], code], n)
-                in_flight.add_metric([row["model"]], row["inflight"])
+                    requests.add_metric([*ids, code], n)
+                for outcome, n in row["outcomes"].items():
+                    outcomes.add_metric([*ids, outcome], n)
+                tokens.add_metric(ids, row["output_tokens"])
+                prompt.add_metric(ids, row["prompt_tokens"])
+                waiting.add_metric(ids, row["waiting"])
+                running.add_metric(ids, row["running"])
+                in_flight.add_metric(ids, row["inflight"])
             for reason, n in sorted(report["errors"].items()):
                 errors.add_metric([reason], n)
-        # Spelled as vLLM's client library spells them, so le="1.0" is the same bucket in both.
-        les = [floatToGoString(b) for b in TTFB_BUCKETS_S]
-        for h in probes.latency_counts(TTFB_BUCKETS_S):
-            ttfb.add_metric([h.model], [*zip(les, h.cumulative, strict=True), ("+Inf", h.count)],
-                            h.sum_s)
-        yield from (requests, in_flight, ttfb, errors)
+        yield from (requests, outcomes, tokens, prompt, waiting, running, in_flight, errors)
+        for kind, name, help_text, bounds in _LATENCY:
+            family = HistogramMetricFamily(name, help_text + _LATENCY_NOTE, labels=labels)
+            # Spelled as vLLM's client library spells them, so le="1.0" is the same bucket.
+            les = [floatToGoString(b) for b in bounds]
+            for h in probes.latency_counts(kind, bounds):
+                family.add_metric([h.model, h.endpoint],
+                                  [*zip(les, h.cumulative, strict=True), ("+Inf", h.count)],
+                                  h.sum_s)
+            yield family
 
     def _mesh(self) -> Iterator[Metric]:
         peers = GaugeMetricFamily("loadmesh_peers", "Other nodes in this node's table, by "

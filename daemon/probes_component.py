@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 log = logs.get("probes")
 
+POLL_S = 0.25
+
 
 class ProbesComponent:
     name = "probes"
@@ -76,13 +78,14 @@ class ProbesComponent:
         log.warning("running without probes: %s", reason)
 
     async def _poll(self) -> None:
-        period = 1.0
+        # The agent's view of its own queue and latencies is never older than this.
+        period = POLL_S
         while not self._stopping.is_set():
             started = time.monotonic()
             try:
                 await asyncio.to_thread(self._reader.poll, started)
             except Exception:
-                # A failed read loses one second of figures, not the agent's probes.
+                # A failed read loses one poll's figures, not the agent's probes.
                 log.exception("reading the probe maps failed")
             delay = max(0.0, period - (time.monotonic() - started))
             try:
@@ -118,9 +121,10 @@ class ProbesComponent:
         """The fingerprint report without its flows (cheap: the event loop may call it)."""
         return None if self._reader is None else self._reader.summary()
 
-    def latency_counts(self, bounds_s: Sequence[float]) -> Sequence[LatencyCounts]:
-        """Per-model time-to-first-byte histograms at bounds_s, since the probes started."""
-        return () if self._reader is None else self._reader.latency_counts(bounds_s)
+    def latency_counts(self, kind: str, bounds_s: Sequence[float]) -> Sequence[LatencyCounts]:
+        """Per model and endpoint, histograms of one latency kind ("ttfb", "ttft", "itl",
+        "e2e") at bounds_s, since the probes started."""
+        return () if self._reader is None else self._reader.latency_counts(kind, bounds_s)
 
     async def set_ports(self, ports: Sequence[int]) -> None:
         """Follow new serving ports without reloading the probes (a configuration reload);

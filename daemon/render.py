@@ -42,11 +42,18 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _pair(latency: Mapping[str, Any]) -> str:
+    """P50/P99 of one latency kind, in ms."""
+    return f"{_ms(latency['p50'])}/{_ms(latency['p99'])}"
+
+
 def fingerprints(body: Mapping[str, Any]) -> str:
+    window = f"{body['window_s']:g} s"
     model_rows = [
-        (m["model"], m["requests"], f"{m['rps']:.1f}",
+        (m["model"], m["endpoint"], m["requests"], f"{m['rps']:.1f}",
          " ".join(f"{code}:{n}" for code, n in sorted(m["status"].items())) or "-",
-         _ms(m["p50_ms"]), _ms(m["p95_ms"]), _ms(m["p99_ms"]), m["inflight"])
+         m["waiting"], m["running"], m["aborted"], f"{m['tokens_per_s']:.1f}",
+         *(_pair(m["latency"][kind]) for kind in ("ttfb", "ttft", "itl", "e2e")))
         for m in body["models"]
     ]
     flow_rows = [
@@ -54,11 +61,24 @@ def fingerprints(body: Mapping[str, Any]) -> str:
          _ms(f.get("mean_ms")), _ms(f.get("max_ms")))
         for f in body["flows"]
     ]
-    return "\n\n".join([
-        table(("MODEL", "REQUESTS", "RPS", "STATUS", "P50_MS", "P95_MS", "P99_MS", "INFLIGHT"),
-              model_rows),
-        table(("SRC", "DST", "MODEL", "STATUS", "COUNT", "MEAN_MS", "MAX_MS"), flow_rows),
-    ])
+    parts = [
+        f"models: REQUESTS, STATUS and ABORTED since the probes started; RPS, TOK/S and the "
+        f"latencies over the last {window}; WAIT (no first token yet; a non-streamed request: "
+        f"no answer yet) and RUN (streaming) now. Latencies are P50/P99 in ms from the "
+        f"request's first byte on the wire: TTFB to the answer's first byte, TTFT to a "
+        f"stream's first data: event, ITL between a stream's events, E2E to the answer's "
+        f"last byte; - where the window holds none.",
+        table(("MODEL", "ENDPOINT", "REQUESTS", "RPS", "STATUS", "WAIT", "RUN", "ABORTED",
+               "TOK/S", "TTFB", "TTFT", "ITL", "E2E"), model_rows),
+    ]
+    errors = {k: v for k, v in body["errors"].items() if v}
+    if errors:
+        parts.append("probe errors (docs/probes.md): "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(errors.items())))
+    parts += ["flows: one row per connection, model and status; MEAN_MS and MAX_MS of the "
+              "time to first byte",
+              table(("SRC", "DST", "MODEL", "STATUS", "COUNT", "MEAN_MS", "MAX_MS"), flow_rows)]
+    return "\n\n".join(parts)
 
 
 def snapshot(body: Mapping[str, Any]) -> str:
@@ -85,10 +105,12 @@ def snapshot(body: Mapping[str, Any]) -> str:
                         "THROTTLE", "PROCS"), gpu_rows) if gpu_rows else "gpus       none")
     model_rows = [
         (m["model"], m["port"], f"{m['rps']:.2f}", f"{m['error_ratio']:.4f}",
-         _ms(m["p50_ms"]), _ms(m["p99_ms"]), m["in_flight"])
+         _ms(m["p50_ms"]), _ms(m["p99_ms"]), m["waiting"], m["running"],
+         _ms(m["ttft_p99_ms"]), _ms(m["itl_p99_ms"]), f"{m['tokens_per_s']:.1f}")
         for m in body["models"]
     ]
-    lines += ["", table(("MODEL", "PORT", "RPS", "ERROR_RATIO", "P50_MS", "P99_MS", "IN_FLIGHT"),
+    lines += ["", table(("MODEL", "PORT", "RPS", "ERROR_RATIO", "TTFB_P50_MS", "TTFB_P99_MS",
+                         "WAITING", "RUNNING", "TTFT_P99_MS", "ITL_P99_MS", "TOKENS_PER_S"),
                         model_rows) if model_rows else "models     none seen yet"]
     return "\n".join(lines)
 

@@ -5,27 +5,37 @@ Components, each in [0, 1] (docs/snapshot.md explains the defaults):
 
     gpu_util    mean GPU utilisation; a GPU NVML cannot read counts as fully busy
     gpu_memory  fullest GPU's used/total, ramped from memory_knee (0) to 1.0 (1)
-    latency     worst model's P99 / its latency target, capped at 1
+    queue       the busiest model's 1 - rate / best rate: its output tokens per second per
+                request in flight, against the best this node has served it at
     errors      request-weighted error ratio / error_ratio_ceiling, capped at 1
     in_flight   requests in flight / (in_flight_per_gpu * max(1, GPUs)), capped at 1
     cpu         max(CPU utilisation, CPU pressure (PSI some avg10) / 100)
     gpu_failed  share of GPUs that NVML cannot read
 
     blend = sum(w_k * c_k) / sum(w_k)      over the weighted components that have data
-    score = max(blend, latency, errors, gpu_failed)
+    score = max(blend, queue, errors, gpu_failed)
+
+The queue is what loads an LLM server: requests that wait, because the batch is full, get
+no tokens. Requests in flight and output tokens per second are the same figures whether
+the clients stream or not (a non-streamed request waits until its whole answer comes, a
+streamed one streams meanwhile; both are in flight; their tokens count either way), so the
+score follows the server's load, not the clients' mode. No latency target enters it: a
+normal answer takes 50 ms or 50 s.
 
 A component without data (no GPUs, no model with traffic) leaves the blend, so the rest
-keep their relative weight. latency, errors and gpu_failed also floor the score: an SLO
-about to be missed, failing requests or dead GPUs each make a node unattractive on their
-own, however idle the rest of it looks. The instant score is then smoothed by exponential
-decay (ScoreSmoother) before it becomes the snapshot's score and state.
+keep their relative weight. queue, errors and gpu_failed also floor the score: a queue,
+failing requests or dead GPUs each make a node unattractive on their own, however idle the
+rest of it looks. The instant score is then smoothed by exponential decay (ScoreSmoother)
+before it becomes the snapshot's score and state.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from typing import Protocol
 
 from gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
 
@@ -34,7 +44,7 @@ from gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
 class ScoreWeights:
     gpu_util: float = 0.35
     gpu_memory: float = 0.10
-    latency: float = 0.25
+    queue: float = 0.25
     errors: float = 0.10
     in_flight: float = 0.15
     cpu: float = 0.05
@@ -48,9 +58,6 @@ class ScoreWeights:
 @dataclass(frozen=True)
 class ScoreConfig:
     weights: ScoreWeights = ScoreWeights()
-    default_latency_target_ms: float = 2000.0
-    # Keyed by model_id (FNV-1a 64 of the model name, as the probes hash it).
-    latency_targets_ms: Mapping[int, float] = field(default_factory=dict)
     error_ratio_ceiling: float = 0.05
     memory_knee: float = 0.95
     in_flight_per_gpu: int = 64
@@ -59,9 +66,6 @@ class ScoreConfig:
     overloaded_at: float = 0.9
 
     def __post_init__(self) -> None:
-        targets = [self.default_latency_target_ms, *self.latency_targets_ms.values()]
-        if any(not t > 0 for t in targets):
-            raise ValueError("latency targets must be positive")
         if not 0 < self.error_ratio_ceiling <= 1:
             raise ValueError("error_ratio_ceiling must be in (0, 1]")
         if not 0 <= self.memory_knee < 1:
@@ -73,9 +77,6 @@ class ScoreConfig:
         if not 0 < self.degraded_at < self.overloaded_at <= 1:
             raise ValueError("need 0 < degraded_at < overloaded_at <= 1")
 
-    def latency_target_ms(self, model_id: int) -> float:
-        return self.latency_targets_ms.get(model_id, self.default_latency_target_ms)
-
 
 @dataclass(frozen=True)
 class Components:
@@ -83,7 +84,7 @@ class Components:
 
     gpu_util: float | None
     gpu_memory: float | None
-    latency: float | None
+    queue: float | None
     errors: float | None
     in_flight: float
     cpu: float
@@ -107,7 +108,10 @@ def components(
     gpus: Sequence[GpuLoad],
     models: Sequence[ModelLoad],
     config: ScoreConfig,
+    queue: float | None = None,
 ) -> Components:
+    """queue: QueueGauge.update()'s figure for this tick (it needs history the snapshot
+    does not carry)."""
     gpu_util: float | None = None
     gpu_memory: float | None = None
     gpu_failed: float | None = None
@@ -117,12 +121,10 @@ def components(
         gpu_memory = _cap((fullest - config.memory_knee) / (1 - config.memory_knee))
         gpu_failed = sum(not g.healthy for g in gpus) / len(gpus)
 
-    # A model without requests in the window has no meaningful latency or error ratio.
+    # A model without requests in the window has no meaningful error ratio.
     serving = [m for m in models if m.rps > 0]
-    latency: float | None = None
     errors: float | None = None
     if serving:
-        latency = _cap(max(m.p99_ms / config.latency_target_ms(m.model_id) for m in serving))
         total_rps = sum(m.rps for m in serving)
         error_ratio = sum(m.error_ratio * m.rps for m in serving) / total_rps
         errors = _cap(error_ratio / config.error_ratio_ceiling)
@@ -131,14 +133,15 @@ def components(
     in_flight = _cap(sum(m.in_flight for m in models) / capacity)
     pressure = (host.cpu_pressure_pct or 0.0) / 100
     cpu = _cap(max(host.cpu_util, pressure))
-    return Components(gpu_util, gpu_memory, latency, errors, in_flight, cpu, gpu_failed)
+    return Components(gpu_util, gpu_memory, None if queue is None else _cap(queue), errors,
+                      in_flight, cpu, gpu_failed)
 
 
 def instant_score(c: Components, weights: ScoreWeights) -> float:
     weighted = [
         (weights.gpu_util, c.gpu_util),
         (weights.gpu_memory, c.gpu_memory),
-        (weights.latency, c.latency),
+        (weights.queue, c.queue),
         (weights.errors, c.errors),
         (weights.in_flight, c.in_flight),
         (weights.cpu, c.cpu),
@@ -146,8 +149,71 @@ def instant_score(c: Components, weights: ScoreWeights) -> float:
     present = [(w, v) for w, v in weighted if v is not None]
     total_weight = sum(w for w, _ in present)
     blend = sum(w * v for w, v in present) / total_weight if total_weight else 0.0
-    floors = [v for v in (c.latency, c.errors, c.gpu_failed) if v is not None]
+    floors = [v for v in (c.queue, c.errors, c.gpu_failed) if v is not None]
     return _cap(max([blend, *floors]))
+
+
+class ModelRates(Protocol):
+    """What QueueGauge reads of each model's figures (the probes reader's ModelStats)."""
+
+    @property
+    def model_id(self) -> int: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def mean_in_flight(self) -> float: ...
+    @property
+    def window_tokens(self) -> int: ...
+
+
+# A window with fewer output tokens, or less than this many requests in flight on average,
+# says too little about a model's rate to learn its best from.
+MIN_TOKENS = 50
+MIN_IN_FLIGHT = 0.5
+
+
+class QueueGauge:
+    """The queue component: per (model, port), the output tokens per second each request in
+    flight gets (tokens_per_s / mean in flight over the window), against the best rate seen
+    for that model on this node. A server with room decodes every request at about its best
+    rate; once its batch is full, the requests behind it wait and get nothing, and the rate
+    per request falls as the queue grows: 1 - rate / best is then the share of the requests
+    that wait (half of them at a queue as long as the batch). The best is a maximum, kept
+    across ticks: it is what this hardware does for this model's requests, and a node
+    learns it in its first quiet moment. Until a model has one, it has no queue figure.
+
+    A window with requests in flight but too few tokens to tell a rate (one long answer not
+    streamed, whose tokens all come at its end) keeps the model's last figure: it says
+    nothing new about the queue."""
+
+    def __init__(self) -> None:
+        self._best: dict[tuple[int, int], float] = {}
+        self._last: dict[tuple[int, int], float] = {}
+
+    def update(self, models: Sequence[ModelRates]) -> float | None:
+        """The busiest model's queue figure, in [0, 1]; None before any is known."""
+        out: float | None = None
+        for m in models:
+            key = (m.model_id, m.port)
+            if m.mean_in_flight < MIN_IN_FLIGHT:
+                busy = 0.0
+            elif m.window_tokens >= MIN_TOKENS:
+                rate = m.tokens_per_s / m.mean_in_flight
+                if rate > self._best.get(key, 0.0):
+                    self._best[key] = rate
+                busy = _cap(1 - rate / self._best[key])
+            else:
+                busy = self._last.get(key, 0.0)
+            self._last[key] = busy
+            if key in self._best:
+                out = busy if out is None else max(out, busy)
+        return out
+
+    def best(self) -> dict[tuple[int, int], float]:
+        """The best rate per (model_id, port), tokens/s per request."""
+        return dict(self._best)
 
 
 class ScoreSmoother:

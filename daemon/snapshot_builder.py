@@ -9,7 +9,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from daemon.score import ScoreConfig, ScoreSmoother, components, instant_score, state_for
+from daemon.score import (
+    QueueGauge,
+    ScoreConfig,
+    ScoreSmoother,
+    components,
+    instant_score,
+    state_for,
+)
 from daemon.versioning import ChangeDetector, VersionClock, wall_ms
 from gossip.snapshot import (
     MAX_GPUS,
@@ -17,6 +24,7 @@ from gossip.snapshot import (
     MAX_LATENCY_MS,
     MAX_MODELS,
     MAX_RPS,
+    MAX_TOKENS_PER_S,
     Endpoint,
     GpuLoad,
     HostLoad,
@@ -44,7 +52,19 @@ class ModelFigures(Protocol):
     @property
     def p99_ms(self) -> float: ...
     @property
-    def in_flight(self) -> int: ...
+    def waiting(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def ttft_p99_ms(self) -> float: ...
+    @property
+    def itl_p99_ms(self) -> float: ...
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def window_tokens(self) -> int: ...
+    @property
+    def mean_in_flight(self) -> float: ...
 
 
 def _bounded(value: float, hi: float) -> float:
@@ -52,7 +72,12 @@ def _bounded(value: float, hi: float) -> float:
     return min(max(value, 0.0), hi) if math.isfinite(value) else 0.0
 
 
+def _count(n: int) -> int:
+    return min(max(n, 0), MAX_IN_FLIGHT)
+
+
 def _model_load(m: ModelFigures) -> ModelLoad:
+    waiting, running = _count(m.waiting), _count(m.running)
     return ModelLoad(
         model_id=m.model_id,
         port=m.port,
@@ -60,7 +85,12 @@ def _model_load(m: ModelFigures) -> ModelLoad:
         error_ratio=_bounded(m.error_ratio, 1.0),
         p50_ms=_bounded(m.p50_ms, MAX_LATENCY_MS),
         p99_ms=_bounded(m.p99_ms, MAX_LATENCY_MS),
-        in_flight=min(max(m.in_flight, 0), MAX_IN_FLIGHT),
+        in_flight=_count(waiting + running),
+        waiting=waiting,
+        running=running,
+        ttft_p99_ms=_bounded(m.ttft_p99_ms, MAX_LATENCY_MS),
+        itl_p99_ms=_bounded(m.itl_p99_ms, MAX_LATENCY_MS),
+        tokens_per_s=_bounded(m.tokens_per_s, MAX_TOKENS_PER_S),
     )
 
 
@@ -87,6 +117,7 @@ class SnapshotBuilder:
         self._versions = versions
         self._detector = detector
         self._smoother = ScoreSmoother(score_config.half_life_s)
+        self._queue = QueueGauge()
         self._now_ms = now_ms
         self._monotonic = monotonic
         self._published: LoadSnapshot | None = None
@@ -108,7 +139,9 @@ class SnapshotBuilder:
             # The wire carries at most MAX_MODELS: keep the ones carrying the most traffic.
             loads = sorted(loads, key=lambda m: (m.in_flight, m.rps), reverse=True)[:MAX_MODELS]
         gpus = sorted(gpus, key=lambda g: g.index)[:MAX_GPUS]
-        instant = instant_score(components(host, gpus, loads, self.score_config), self.score_config.weights)
+        queue = self._queue.update(models)
+        instant = instant_score(components(host, gpus, loads, self.score_config, queue),
+                                self.score_config.weights)
         smoothed = self._smoother.update(instant, self._monotonic())
         # Rounding inside the smoother can overshoot 1.0 by an ulp.
         score = wire_score(min(max(smoothed, 0.0), 1.0))

@@ -29,7 +29,6 @@ from daemon.snapshot_builder import SnapshotBuilder
 from daemon.snapshot_view import snapshot_json
 from daemon.versioning import ChangeDetector, VersionClock, VersionStore
 from gossip.snapshot import Endpoint, LoadSnapshot
-from probes.model_id import model_id as hash_model
 
 log = logs.get("snapshot")
 
@@ -63,8 +62,6 @@ def score_config(config: Config) -> ScoreConfig:
     load = config.load
     return ScoreConfig(
         weights=load.weights,
-        default_latency_target_ms=load.latency_target_ms,
-        latency_targets_ms={hash_model(name): ms for name, ms in load.latency_targets_ms.items()},
         half_life_s=load.half_life_s,
         degraded_at=load.degraded_at,
         overloaded_at=load.overloaded_at,

@@ -55,6 +55,11 @@ def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],
                 "p50_ms": m.p50_ms,
                 "p99_ms": m.p99_ms,
                 "in_flight": m.in_flight,
+                "waiting": m.waiting,
+                "running": m.running,
+                "ttft_p99_ms": m.ttft_p99_ms,
+                "itl_p99_ms": m.itl_p99_ms,
+                "tokens_per_s": m.tokens_per_s,
             }
             for m in snap.models
         ],

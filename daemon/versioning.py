@@ -151,6 +151,17 @@ class Deadbands:
     p50_ms: Deadband | None = Deadband(abs=5.0, rel=0.20)
     p99_ms: Deadband | None = Deadband(abs=10.0, rel=0.20)
     in_flight: Deadband | None = Deadband(abs=2.0, rel=0.20)
+    # The queue and the token rate are what the score is made of (docs/snapshot.md): the
+    # same bands as in_flight and rps.
+    waiting: Deadband | None = Deadband(abs=2.0, rel=0.20)
+    running: Deadband | None = Deadband(abs=2.0, rel=0.20)
+    ttft_p99_ms: Deadband | None = Deadband(abs=10.0, rel=0.20)
+    itl_p99_ms: Deadband | None = Deadband(abs=2.0, rel=0.20)
+    tokens_per_s: Deadband | None = Deadband(abs=5.0, rel=0.20)
+
+
+_MODEL_FIGURES = ("rps", "error_ratio", "p50_ms", "p99_ms", "in_flight", "waiting", "running",
+                  "ttft_p99_ms", "itl_p99_ms", "tokens_per_s")
 
 
 @dataclass(frozen=True)
@@ -185,7 +196,7 @@ def _figures(s: LoadSnapshot) -> dict[tuple[object, ...], float]:
         out[("gpu_throttle_reasons", g.index)] = g.throttle_reasons
         out[("gpu_processes", g.index)] = g.processes
     for m in s.models:
-        for name in ("rps", "error_ratio", "p50_ms", "p99_ms", "in_flight"):
+        for name in _MODEL_FIGURES:
             out[(name, *m.key)] = getattr(m, name)
     return out
 

@@ -21,7 +21,9 @@ The top level is a map with one-letter keys::
     "g": GPUs,   [[index, util %, mem_used MiB, mem_total MiB, temp C, power W,
                    power_limit W, throttle reasons bitmask, processes, healthy bool], ...]
     "m": models, [[model_id u64, port, rps 1/100, error_ratio 1/10000, p50 0.1 ms,
-                   p99 0.1 ms, in_flight], ...]
+                   p99 0.1 ms, in_flight, waiting, running, ttft_p99 0.1 ms, itl_p99 0.1 ms,
+                   tokens/s 1/10], ...]  (the last five since agents that see LLM traffic;
+                   a record without them reads as zeros)
 
 Records are positional arrays rather than maps: with keys, 8 GPUs and 4 models do not fit
 the 512-byte budget. Compatibility rules, so that agents of different releases interoperate:
@@ -58,9 +60,10 @@ MAX_LOAD_AVERAGE = 100_000.0
 MAX_RPS = 10_000_000.0
 MAX_LATENCY_MS = 3_600_000.0
 MAX_IN_FLIGHT = 2**32 - 1
+MAX_TOKENS_PER_S = 100_000_000.0
 # No snapshot within the bounds above encodes to more (the worst case is tested), so the
 # decoder refuses longer input before unpacking anything.
-MAX_ENCODED_BYTES = 8192
+MAX_ENCODED_BYTES = 12288
 
 
 class SnapshotError(ValueError):
@@ -93,6 +96,9 @@ class _Field:
     lo: float = 0
     scale: int = 1
     optional: bool = False
+    # An appended field: a record from an older writer may end before it, and then reads
+    # as this value.
+    missing: object = None
 
 
 def _is_int(value: object) -> bool:
@@ -162,10 +168,15 @@ class _Record:
         where = cls.__name__
         if not isinstance(raw, list):
             raise SnapshotError(f"{where}: expected array, got {type(raw).__name__}")
-        if len(raw) < len(cls._FIELDS):
-            raise SnapshotError(f"{where}: {len(raw)} elements, need {len(cls._FIELDS)}")
-        # Elements past the known ones come from a newer writer: skipped, by design.
-        return cls(**{s.name: _from_wire(s, v, where) for s, v in zip(cls._FIELDS, raw, strict=False)})
+        need = sum(1 for s in cls._FIELDS if s.missing is None)
+        if len(raw) < need:
+            raise SnapshotError(f"{where}: {len(raw)} elements, need {need}")
+        # Elements past the known ones come from a newer writer: skipped, by design; the
+        # appended ones an older writer did not send take their `missing` value.
+        values = {s.name: _from_wire(s, v, where) for s, v in zip(cls._FIELDS, raw, strict=False)}
+        for s in cls._FIELDS[len(raw):]:
+            values[s.name] = s.missing
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -235,7 +246,10 @@ class ModelLoad(_Record):
 
     model_id is the FNV-1a 64 hash of the request's JSON "model" value, as the probes
     compute it; port is the local serving port the traffic was measured on, so a peer
-    routing to this node knows which endpoint serves the model.
+    routing to this node knows which endpoint serves the model. p50_ms and p99_ms are the
+    time to the answer's first byte; in_flight = waiting + running (kept for agents that
+    read no further). waiting: requests with no first token yet (a non-streamed one: no
+    answer yet); running: streams under way; ttft and itl from streamed answers only.
     """
 
     model_id: int
@@ -245,6 +259,11 @@ class ModelLoad(_Record):
     p50_ms: float
     p99_ms: float
     in_flight: int
+    waiting: int = 0
+    running: int = 0
+    ttft_p99_ms: float = 0.0
+    itl_p99_ms: float = 0.0
+    tokens_per_s: float = 0.0
 
     _FIELDS = (
         _Field("model_id", "int", hi=2**64 - 1),
@@ -254,6 +273,11 @@ class ModelLoad(_Record):
         _Field("p50_ms", "fixed", hi=MAX_LATENCY_MS, scale=10),
         _Field("p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10),
         _Field("in_flight", "int", hi=MAX_IN_FLIGHT),
+        _Field("waiting", "int", hi=MAX_IN_FLIGHT, missing=0),
+        _Field("running", "int", hi=MAX_IN_FLIGHT, missing=0),
+        _Field("ttft_p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
+        _Field("itl_p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
+        _Field("tokens_per_s", "fixed", hi=MAX_TOKENS_PER_S, scale=10, missing=0.0),
     )
 
     @property

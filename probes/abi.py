@@ -31,16 +31,32 @@ def const(name: str) -> int:
 
 
 @cache
-def error_names() -> tuple[str, ...]:
-    """Names of the `errors` counters in index order: LM_ERR_FP_FULL -> "fp_full"."""
+def names(prefix: str, count: str) -> tuple[str, ...]:
+    """Names of an enumeration of loadmesh.h in index order, from its `prefix`NAME defines
+    and its size define: names("LM_ERR_", "LM_ERR_COUNT")[0] == "fp_full"."""
     consts = constants()
-    names = [""] * consts["LM_ERR_COUNT"]
+    out = [""] * consts[count]
     for name, value in consts.items():
-        if name.startswith("LM_ERR_") and name != "LM_ERR_COUNT":
-            names[value] = name.removeprefix("LM_ERR_").lower()
-    if "" in names:
-        raise ValueError("loadmesh.h: LM_ERR_* indexes are not 0..LM_ERR_COUNT-1")
-    return tuple(names)
+        if name.startswith(prefix) and name != count:
+            out[value] = name.removeprefix(prefix).lower()
+    if "" in out:
+        raise ValueError(f"loadmesh.h: {prefix}* indexes are not 0..{count}-1")
+    return tuple(out)
+
+
+def error_names() -> tuple[str, ...]:
+    """The `errors` counters: LM_ERR_FP_FULL -> "fp_full"."""
+    return names("LM_ERR_", "LM_ERR_COUNT")
+
+
+def endpoint_names() -> tuple[str, ...]:
+    """Endpoint classes: LM_EP_CHAT -> "chat"."""
+    return names("LM_EP_", "LM_EP_COUNT")
+
+
+def outcome_names() -> tuple[str, ...]:
+    """How requests end: LM_OUT_ABORTED -> "aborted"."""
+    return names("LM_OUT_", "LM_OUT_COUNT")
 
 
 _SCALARS = {1: "B", 2: "H", 4: "I", 8: "Q"}

@@ -1,18 +1,21 @@
-/* loadmesh HTTP/1 fingerprint probe: a TC classifier on the configured interfaces.
+/* loadmesh HTTP/1 probe for LLM serving: a TC classifier on the configured interfaces.
  *
  * It never changes a packet and always returns PASS (TC_ACT_UNSPEC). Per TCP segment to or
  * from a serving port it follows HTTP/1 framing (heads, Content-Length bodies, chunked
  * bodies) by TCP sequence number, so keep-alive and pipelined requests are counted once
- * each and retransmissions not at all. Parsing goes in steps of one unit of work each (a
- * head, a window of body scan, a run of chunk lines): the entry program parses L2-L4 and
- * runs a segment's first step, and further steps run in tail-called programs that call
- * themselves while the segment holds more, so each program stays small enough for the
- * verifier. See docs/probes.md.
+ * each and retransmissions not at all. Per request it measures, on the wire: time to the
+ * answer's first byte, to a stream's first SSE data: event (first token), the gaps between
+ * events (inter-token latency), to the answer's last byte; the tokens (data: events, or the
+ * answer's "usage" object); the endpoint (the request path) and the model (the request
+ * body's JSON "model"); and how the request ended. See docs/probes.md.
  *
- * BCC 0.26 here inlines every function (BPF-to-BPF calls fail to load), hence
- * __always_inline and tail calls rather than subprograms. The loader compiles this file
- * followed by tcpstats.bpf.c as one text: BCC generates tracepoint argument structs only
- * for its main source, so the tracepoints cannot come in through an #include.
+ * Parsing goes in steps of one unit of work each (a head, a window of body search, a run
+ * of chunk lines, an answer's end); each step is a tail call, so each program stays small
+ * enough for the verifier. BCC 0.26 inlines every function (BPF-to-BPF calls fail to load),
+ * hence __always_inline. Pure parsing lives in http_parse.h; what touches maps is here, the
+ * one source BCC rewrites map calls in. The loader compiles this file followed by
+ * tcpstats.bpf.c as one text: BCC generates tracepoint argument structs only for its main
+ * source, so the tracepoints cannot come in through an #include.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/pkt_cls.h>
@@ -22,10 +25,11 @@
 #include <uapi/linux/ipv6.h>
 #include <uapi/linux/tcp.h>
 #include "loadmesh.h"
+#include "http_parse.h"
 
 #if !defined(LM_INFLIGHT_ENTRIES) || !defined(LM_FP_ENTRIES) || !defined(LM_HIST_ENTRIES) || \
     !defined(LM_MODEL_ENTRIES) || !defined(LM_PORT_ENTRIES) || !defined(LM_SCAN_LIMIT) ||   \
-    !defined(LM_HIST_SUB_BITS) || !defined(LM_HIST_MAX_EXP)
+    !defined(LM_HIST_SUB_BITS) || !defined(LM_HIST_MAX_EXP) || !defined(LM_REQ_ENTRIES)
 #error "probes/loader.py passes map sizes, the scan limit and the histogram layout with -D"
 #endif
 
@@ -33,23 +37,20 @@
  * filter (TC_ACT_OK would end it and skip, say, a CNI's filter behind ours). */
 #define PASS TC_ACT_UNSPEC
 
-#define STEP_REQ 0
-#define STEP_RESP 1
-#define WMASK (LM_WIN - 1)
-#define FNV_OFFSET 0xcbf29ce484222325ULL
-#define FNV_PRIME 0x100000001b3ULL
-#define ONES 0x0101010101010101ULL
-#define HIGHS 0x8080808080808080ULL
-#define LOWER 0x2020202020202020ULL /* OR-ing it lower-cases ASCII letters */
-
-#define C4(a, b, c, d) ((__u32)(a) | (__u32)(b) << 8 | (__u32)(c) << 16 | (__u32)(d) << 24)
-#define C8(a, b, c, d, e, f, g, h) ((__u64)C4(a, b, c, d) | (__u64)C4(e, f, g, h) << 32)
-#define LOW7 0x00ffffffffffffffULL
-#define KEY7 C8('"', 'm', 'o', 'd', 'e', 'l', '"', 0)
-#define HTTP7 C8('H', 'T', 'T', 'P', '/', '1', '.', 0)
-/* A volatile load, so clang does not forward the last store and the verifier sees a map
- * value (an unknown scalar) rather than a constant: see lm_ctx.cur. */
-#define LOAD(x) (*(volatile typeof(x) *)&(x))
+/* The tail-called programs, indexes of lm_steps: each holds at most one long loop, which
+ * the verifier walks iteration by iteration (BCC cannot give it bpf_loop callbacks). */
+#define STEP_REQ 0   /* lm_req: a request head and the first body bytes in its window */
+#define STEP_RESP 1  /* lm_resp: a response head, chunk lines, an answer's end */
+#define STEP_SSE 2   /* lm_sse: a window of a streamed answer's events */
+#define STEP_BODY 3  /* lm_body: a window of a request body's search for "model" */
+#define STEP_CLOSE 4 /* lm_close: the connection ended */
+#define STEP_USAGE 5 /* lm_usage: an answer's "usage" object */
+#define STEP_NONE -1
+#define NOWHERE 0xffffffffU
+/* lm_ctx.kind: what a data: event is */
+#define EV_TOKEN 0
+#define EV_DONE 1
+#define EV_ERROR 2 /* lm_ctx.aend: the answer does not end in this segment */
 
 /* ---- maps: every one bounded; the sizes' reasons are in docs/probes.md ---- */
 
@@ -62,16 +63,20 @@ BPF_ARRAY(serving_ports, u64, 1024);
  * evicted by newer ones instead of filling the map; one entry per live connection. */
 BPF_TABLE("lru_hash", struct lm_flow, struct lm_flow_state, inflight, LM_INFLIGHT_ENTRIES);
 
-/* Per flow, model and status: count and latency. Per-CPU so the hot path needs no atomics.
- * Preallocated (entries x 32 B x CPUs): allocating on use measured 40 ns slower per
- * response. User space deletes idle entries, so the size bounds recently active flows. */
+/* Per flow, model and status: count and time to first byte. Per-CPU so the hot path needs
+ * no atomics. Preallocated (entries x 32 B x CPUs): allocating on use measured 40 ns slower
+ * per response. User space deletes idle entries, so the size bounds recently active flows. */
 BPF_F_TABLE("percpu_hash", struct lm_fp_key, struct lm_fp_val, fingerprints, LM_FP_ENTRIES, 0);
 
-/* Latency histograms per model, serving port and status: only touched buckets exist, so
- * the size bounds models x ports x statuses x buckets in use (a model's latencies span a
- * few powers of two).
- * Preallocated for the same reason as fingerprints (entries x 8 B x CPUs). */
-BPF_F_TABLE("percpu_hash", struct lm_hist_key, u64, histograms, LM_HIST_ENTRIES, 0);
+/* Latency histograms per model, serving port, endpoint, status and kind: only touched
+ * buckets exist, so the size bounds what is in use (a model's latencies span a few powers
+ * of two). One copy for all CPUs, counted with atomic adds: its size does not grow with the
+ * CPUs, and user space reads it four times a second. Preallocated, as fingerprints. */
+BPF_F_TABLE("hash", struct lm_hist_key, u64, histograms, LM_HIST_ENTRIES, 0);
+
+/* Per model, port and endpoint: outcomes and usage tokens of ended requests (atomic adds,
+ * one copy for all CPUs, as histograms). Bounded by models x ports x endpoints. */
+BPF_F_TABLE("hash", struct lm_req_key, struct lm_req_stats, requests, LM_REQ_ENTRIES, 0);
 
 /* model_id -> name, written once per model; bounded by the models a host serves. */
 BPF_HASH(models, u64, struct lm_model_name, LM_MODEL_ENTRIES);
@@ -87,55 +92,9 @@ BPF_PERCPU_ARRAY(errors, u64, LM_ERR_COUNT);
 /* TCP events per serving port (tracepoints below); bounded by the number of ports. */
 BPF_F_TABLE("percpu_hash", u32, struct lm_port_stats, port_stats, LM_PORT_ENTRIES, 0);
 
-/* Context handed from one tail-called step to the next, plus buffers too big for the
- * 512-byte stack. Per-CPU: a TC program runs to completion on its CPU with bottom halves
- * off, so nothing else on that CPU uses it meanwhile. */
-struct lm_ctx {
-    struct lm_flow flow;
-    __u64 now; /* bpf_ktime_get_ns() of the segment, 0 until seg_time() reads it */
-    __u32 seq;  /* TCP sequence number of payload byte 0 */
-    __u32 poff; /* payload offset in the skb */
-    __u32 len;  /* payload bytes */
-    __u32 pos;  /* first payload byte the remaining steps look at */
-    /* Always 0. Loop cursors are XOR-ed with it: the verifier sees a value loaded from a map
-     * as unknown, so cursors stay unknown scalars, the states of successive iterations
-     * converge and get pruned instead of being explored path by path with exact offsets
-     * (which blew the 1M-instruction verification limit). A register XOR costs less than
-     * keeping the cursor in memory, the other way to hide it. */
-    __u32 zero;
-    /* Results and bounds that leave loops go through these fields for the same reason. */
-    __u32 cur;
-    __u32 cl_at;
-    __u32 lim;
-    __u32 n;
-    __u32 stop;
-    __u32 hlen;
-    __u32 line;  /* parse_head: where the window's last line starts */
-    __u64 vhash; /* parse_value's state: FNV-1a of the value so far */
-    __u32 vlen;  /* value bytes hashed */
-    __u8 vphase; /* PV_* */
-    __u8 chunked;
-    __u8 steps;
-    __u8 fin;
-    __u8 rst;
-    /* A request head longer than a window goes on in the next step at c->pos (hcont), with
-     * what the windows before found: Content-Length (hhas, hclen), Transfer-Encoding. */
-    __u8 hcont;
-    __u8 hhas;
-    __u8 hchunked;
-    __u32 hclen;
-    __u8 pad[4];
-};
-
-struct lm_scratch {
-    struct lm_ctx c;
-    struct lm_flow_state fresh;
-    struct lm_model_name name;
-    __u8 win[LM_WIN + 16]; /* +16: 8-byte reads at masked offsets stay inside the value */
-};
 BPF_PERCPU_ARRAY(scratch, struct lm_scratch, 1);
 
-BPF_PROG_ARRAY(lm_steps, 2);
+BPF_PROG_ARRAY(lm_steps, 6);
 
 /* ---- small helpers ---- */
 
@@ -145,47 +104,18 @@ static __always_inline void err(u32 idx) {
         *v += 1;
 }
 
-static __always_inline void err_add(u32 idx, u64 n) {
-    u64 *v = errors.lookup(&idx);
-    if (v)
-        *v += n;
-}
-
 static __always_inline int serving(u16 port) {
     u32 k = port >> 6;
     u64 *w = serving_ports.lookup(&k);
     return w && ((*w >> (port & 63)) & 1);
 }
 
-static __always_inline u64 rd64(const u8 *w, u32 off) {
-    return *(const u64 *)(w + (off & WMASK));
-}
-
-static __always_inline u8 rd8(const u8 *w, u32 off) {
-    return w[off & WMASK];
-}
-
-/* Index (0-7) of the lowest byte flagged (bit 7 of a byte) by a has-zero-byte mask,
- * branch-free: isolating the lowest flag gives 256^k << 7, and multiplying 256^k by bytes
- * 7,6,..,0 brings byte k's value, k, to the top. Branches here would hand the verifier
- * eight constant offsets per word, each a separate state to explore. */
-static __always_inline u32 first_flagged(u64 t) {
-    u64 l = (t & (~t + 1)) >> 7;
-    return (u32)((l * 0x0001020304050607ULL) >> 56);
-}
-
-/* The segment's time, read on first use: only heads need it, and the clock costs about as
- * much as the flow lookup. */
+/* The segment's time, read on first use: only heads and events need it, and the clock
+ * costs about as much as the flow lookup. */
 static __always_inline u64 seg_time(struct lm_ctx *c) {
     if (!c->now)
         c->now = bpf_ktime_get_ns();
     return c->now;
-}
-
-/* Has-zero-byte test of w ^ byte*ONES: nonzero when w holds that byte. */
-static __always_inline u64 has_byte(u64 w, u64 pattern) {
-    u64 x = w ^ pattern;
-    return (x - ONES) & ~x & HIGHS;
 }
 
 /* Copies payload bytes [pos, min(end, pos + LM_WIN)) into the window; returns how many. */
@@ -205,6 +135,21 @@ static __always_inline u32 load_win(struct __sk_buff *skb, struct lm_scratch *s,
     return n;
 }
 
+/* The same, up to a body window (LM_BWIN). */
+static __always_inline u32 load_bwin(struct __sk_buff *skb, struct lm_scratch *s, u32 pos,
+                                     u32 end) {
+    if (pos >= end)
+        return 0;
+    u64 n = end - pos;
+    if (n > LM_BWIN)
+        n = LM_BWIN;
+    asm volatile("" : "+r"(n));
+    n = ((n - 1) & BMASK) + 1;
+    if (bpf_skb_load_bytes(skb, s->c.poff + pos, s->win, n) < 0)
+        return 0;
+    return n;
+}
+
 /* First 8 payload bytes at pos, or 0 when fewer remain: the quick test before parsing. */
 static __always_inline u64 peek8(struct __sk_buff *skb, struct lm_ctx *c, u32 pos) {
     u64 w = 0;
@@ -213,107 +158,6 @@ static __always_inline u64 peek8(struct __sk_buff *skb, struct lm_ctx *c, u32 po
     if (bpf_skb_load_bytes(skb, c->poff + pos, &w, 8) < 0)
         return 0;
     return w;
-}
-
-/* 0: not a request line; 1: a request; 2: a HEAD request (its response has no body). */
-static __always_inline int method_kind(u64 w) {
-    u32 lo = (u32)w;
-    u8 fifth = (u8)(w >> 32);
-    if (lo == C4('P', 'O', 'S', 'T') && fifth == ' ')
-        return 1;
-    if (lo == C4('G', 'E', 'T', ' ') || lo == C4('P', 'U', 'T', ' '))
-        return 1;
-    if (lo == C4('H', 'E', 'A', 'D') && fifth == ' ')
-        return 2;
-    if (lo == C4('D', 'E', 'L', 'E') || lo == C4('P', 'A', 'T', 'C') ||
-        lo == C4('O', 'P', 'T', 'I'))
-        return 1;
-    return 0;
-}
-
-static __always_inline int is_status_line(u64 w) {
-    u8 minor = (u8)(w >> 56);
-    return (w & LOW7) == HTTP7 && (minor == '0' || minor == '1');
-}
-
-/* ---- HTTP head parsing ---- */
-
-struct head {
-    u32 len;     /* bytes up to and including the empty line; 0: not inside the window */
-    u32 clen;    /* Content-Length */
-    u8 has_clen;
-    u8 chunked;  /* Transfer-Encoding present (chunked is the only one HTTP/1.1 frames) */
-};
-
-/* Walks the header lines of the head at win[0..n) a word at a time: a line end is found
- * with a has-zero-byte test on 8 bytes, and only line starts are compared with header
- * names. Content-Length digits are parsed after the walk to keep the loop small. */
-static __always_inline void parse_head(struct lm_scratch *s, u32 n, struct head *h) {
-    const u8 *w = s->win;
-    struct lm_ctx *c = &s->c;
-    c->cl_at = 0;
-    c->hlen = 0;
-    c->chunked = 0;
-    c->line = 0;
-    u32 zero = LOAD(c->zero);
-    u32 p = zero;
-    n ^= zero;
-    for (int i = 0; i < LM_WIN / 8 + 40; i++) {
-        if (p >= n)
-            break;
-        u64 t = has_byte(rd64(w, p), 0x0a0a0a0a0a0a0a0aULL);
-        if (!t) {
-            p = (p + 8) ^ zero;
-            continue;
-        }
-        u32 l = (p + first_flagged(t) + 1) ^ zero; /* start of the next line */
-        if (l > n)
-            break;
-        p = l;
-        c->line = l;
-        if (l + 2 <= n && rd8(w, l) == '\r' && rd8(w, l + 1) == '\n') {
-            c->hlen = l + 2;
-            break;
-        }
-        u8 first = rd8(w, l) | 0x20;
-        if (l + 18 > n || (first != 'c' && first != 't'))
-            continue;
-        u64 a = rd64(w, l) | LOWER;
-        u64 b = rd64(w, l + 8) | LOWER;
-        if (a == C8('c', 'o', 'n', 't', 'e', 'n', 't', '-') &&
-            (b & LOW7) == C8('l', 'e', 'n', 'g', 't', 'h', ':', 0))
-            c->cl_at = l + 15;
-        else if (a == C8('t', 'r', 'a', 'n', 's', 'f', 'e', 'r') &&
-                 b == C8('-', 'e', 'n', 'c', 'o', 'd', 'i', 'n'))
-            c->chunked = 1;
-    }
-    /* results through the scratch, so exits from every iteration look alike after */
-    h->len = LOAD(c->hlen);
-    h->chunked = LOAD(c->chunked);
-    u32 d = LOAD(c->cl_at);
-    if (!h->len || !d)
-        return;
-    for (int i = 0; i < 4; i++)
-        if (rd8(w, d) == ' ')
-            d++;
-    u64 v = 0;
-    int digits = 0;
-    int ended = 0;
-    for (int i = 0; i < 10; i++) {
-        if (d + i >= n)
-            break;
-        u8 ch = rd8(w, d + i);
-        if (ch < '0' || ch > '9') {
-            ended = 1;
-            break;
-        }
-        v = v * 10 + (ch - '0');
-        digits++;
-    }
-    if (digits && ended && v <= 0x7fffffff) {
-        h->clen = v;
-        h->has_clen = 1;
-    }
 }
 
 /* Copies a head at `at` and parses it: first `hint` bytes (the flow's last head length plus
@@ -335,172 +179,99 @@ static __always_inline u32 load_head(struct __sk_buff *skb, struct lm_scratch *s
         h->clen = 0;
         h->has_clen = 0;
         h->chunked = 0;
+        h->ctype = 0;
     }
     return n;
 }
 
-/* ---- finding "model" (and status lines) ---- */
+/* ---- recording ---- */
 
-struct found {
-    int at;   /* window index of the key's opening quote, or -1 */
-    u32 stop; /* first key start not examined (when not found) */
-};
+/* ---- latency histogram bucket: the same arithmetic as probes/buckets.py ---- */
 
-/* Looks for a 7-byte token (key7) starting in win[a..lim). Candidates are the bytes equal
- * to one of its bytes (`byte`, `back` bytes into the token), found 8 at a time with a
- * has-zero-byte test, then checked as one masked 8-byte compare. For "model" the byte is
- * the 'm' (rarer in JSON than '"'), for a status line the 'H' of "HTTP/1.". final: no
- * byte follows win[n-1] in this segment, so a token cut by the window end is not worth a
- * reload. Loop bounds go through the scratch so the verifier walks the loop once, not once
- * per range the callers' paths give them. */
-static __always_inline struct found find_key(struct lm_scratch *s, u32 a, u32 lim, u32 n,
-                                             int final, u64 byte, u64 key7, u32 back) {
-    const u8 *w = s->win;
-    struct lm_ctx *c = &s->c;
-    c->lim = lim + back; /* candidates at or past it start no token before lim */
-    c->n = n;
-    c->stop = ~0U; /* stays so only when the loop runs out of iterations */
-    c->cur = a + back;
-    for (int i = 0; i < LM_WIN / 8 + 24; i++) {
-        u32 p = LOAD(c->cur);
-        if (p >= LOAD(c->lim)) {
-            c->stop = lim;
-            break;
-        }
-        u64 t = has_byte(rd64(w, p), byte * ONES);
-        if (!t) {
-            c->cur = p + 8;
-            continue;
-        }
-        u32 q = p + first_flagged(t);
-        if (q >= LOAD(c->lim)) {
-            c->stop = lim;
-            break;
-        }
-        if (q - back + 7 > LOAD(c->n)) {
-            /* a token cut by the window end: resume from it, unless nothing follows */
-            c->stop = final ? lim : q - back;
-            break;
-        }
-        if ((rd64(w, q - back) & LOW7) == key7) {
-            struct found f = {.at = q - back, .stop = q - back};
-            return f;
-        }
-        c->cur = q + 1;
-    }
-    struct found f = {.at = -1, .stop = LOAD(c->stop)};
-    if (f.stop == ~0U)
-        f.stop = LOAD(c->cur) - back;
-    return f;
+static __always_inline u32 lm_bucket(u64 v) {
+    if (v >= (1ULL << LM_HIST_MAX_EXP))
+        v = (1ULL << LM_HIST_MAX_EXP) - 1;
+    if (v < (1ULL << LM_HIST_SUB_BITS))
+        return (u32)v;
+    /* floor(log2 v) by binary search: __builtin_clzll crashes this clang */
+    u32 e = 0;
+    u64 x = v;
+    if (x >> 32) { x >>= 32; e += 32; }
+    if (x >> 16) { x >>= 16; e += 16; }
+    if (x >> 8) { x >>= 8; e += 8; }
+    if (x >> 4) { x >>= 4; e += 4; }
+    if (x >> 2) { x >>= 2; e += 2; }
+    if (x >> 1) { e += 1; }
+    u32 shift = e - LM_HIST_SUB_BITS;
+    return ((shift + 1) << LM_HIST_SUB_BITS) + (u32)((v >> shift) - (1ULL << LM_HIST_SUB_BITS));
 }
 
-enum { VAL_FOUND, VAL_INVALID, VAL_TOO_LONG, VAL_CUT };
-
-static __always_inline int json_space(u8 ch) {
-    return ch == ' ' || ch == '\t' || ch == '\r' || ch == '\n';
+/* n samples of latency lat (ns) of one kind for the answer being sent. */
+static __always_inline void sample(struct lm_ctx *c, struct lm_flow_state *st, u8 kind,
+                                   u64 lat, u64 n) {
+    /* through the scratch: lm_bucket's 64 paths leave one state behind */
+    c->cur = lm_bucket(lat);
+    struct lm_hist_key hk = {.model_id = st->ans_model, .status = st->status,
+                             .bucket = LOAD(c->cur), .port = c->flow.server_port,
+                             .kind = kind, .endpoint = st->ans_ep};
+    u64 *hv = histograms.lookup(&hk);
+    if (!hv) {
+        u64 zero = 0;
+        histograms.update(&hk, &zero);
+        hv = histograms.lookup(&hk);
+    }
+    if (hv)
+        __sync_fetch_and_add(hv, n);
+    else
+        err(LM_ERR_HIST_FULL);
 }
 
-/* Position after up to 4 JSON spaces from v; through the scratch so every count of spaces
- * leaves the verifier with the same state. */
-static __always_inline u32 skip_space(struct lm_scratch *s, u32 v, u32 n) {
-    s->c.cur = v;
-    for (int i = 0; i < 4; i++) {
-        u32 p = LOAD(s->c.cur);
-        if (p >= n || !json_space(rd8(s->win, p)))
-            break;
-        s->c.cur = p + 1;
+/* The flow's row: one more answer of this model and status, with its time to first byte. */
+static __always_inline void record_flow(struct lm_ctx *c, u64 model, u16 status, u64 lat) {
+    struct lm_fp_key k = {};
+    __builtin_memcpy(&k.flow, &c->flow, sizeof(k.flow));
+    k.model_id = model;
+    k.status = status;
+    struct lm_fp_val *v = fingerprints.lookup(&k);
+    if (!v) {
+        struct lm_fp_val zero = {};
+        fingerprints.update(&k, &zero);
+        v = fingerprints.lookup(&k);
     }
-    return LOAD(s->c.cur);
+    if (v) {
+        v->count += 1;
+        v->lat_sum_ns += lat;
+        if (lat > v->lat_max_ns)
+            v->lat_max_ns = lat;
+        v->last_ns = c->now;
+    } else {
+        err(LM_ERR_FP_FULL);
+    }
 }
 
-/* Where parse_value is in `"model" : "value"`; kept across segments in carry_phase. */
-#define PV_KEY 0   /* after the key: spaces, then ':' */
-#define PV_COLON 1 /* after ':': spaces, then the opening quote */
-#define PV_VALUE 2 /* inside the value: c->vlen bytes hashed into c->vhash */
-
-/* Parses `: "value"` from win[v], in phase c->vphase, and hashes the value with FNV-1a 64;
- * leaves its length in s->name.len and its window offset in s->c.cur. On VAL_CUT the
- * c->vphase, c->vhash and c->vlen it leaves let the next segment go on. Escapes are hashed
- * as written (model names carry none). */
-static __always_inline int parse_value(struct lm_scratch *s, u32 v, u32 n, u64 *id) {
-    const u8 *w = s->win;
-    struct lm_ctx *c = &s->c;
-    /* through the scratch: the paths that lead here must look alike */
-    c->n = n;
-    c->cur = v;
-    v = LOAD(c->cur);
-    n = LOAD(c->n);
-    if (c->vphase == PV_KEY) {
-        v = skip_space(s, v, n);
-        if (v >= n)
-            return VAL_CUT;
-        if (rd8(w, v) != ':')
-            return VAL_INVALID;
-        c->vphase = PV_COLON;
-        v++;
+static __always_inline struct lm_req_stats *req_stats(u64 model, u16 port, u8 ep) {
+    struct lm_req_key k = {.model_id = model, .port = port, .endpoint = ep};
+    struct lm_req_stats *v = requests.lookup(&k);
+    if (!v) {
+        struct lm_req_stats zero = {};
+        requests.update(&k, &zero);
+        v = requests.lookup(&k);
+        if (!v)
+            err(LM_ERR_REQUESTS_FULL);
     }
-    if (c->vphase == PV_COLON) {
-        v = skip_space(s, v, n);
-        if (v >= n)
-            return VAL_CUT;
-        if (rd8(w, v) != '"')
-            return VAL_INVALID;
-        c->vphase = PV_VALUE;
-        c->vhash = FNV_OFFSET;
-        c->vlen = 0;
-        v++;
-    }
-    u64 h = c->vhash;
-    u32 done = c->vlen;
-    if (done > LM_NAME_MAX)
-        return VAL_TOO_LONG;
-    /* one bound per byte, as for a value that starts here: the window's end or the byte
-     * past the longest name, whichever comes first */
-    u32 stop = v + (LM_NAME_MAX - done) + 1;
-    c->lim = stop < n ? stop : n;
-    c->stop = 0;
-    for (u32 i = 0; i <= LM_NAME_MAX + 1; i++) {
-        if (v + i >= LOAD(c->lim)) {
-            c->stop = i;
-            break;
-        }
-        u8 ch = rd8(w, v + i);
-        if (ch == '"') {
-            s->name.len = i;
-            c->cur = v; /* where the value starts, for set_model */
-            *id = h;
-            return VAL_FOUND;
-        }
-        h = (h ^ ch) * FNV_PRIME;
-    }
-    u32 seen = LOAD(c->stop);
-    if (v + seen < n)
-        return VAL_TOO_LONG;
-    c->vhash = h;
-    c->vlen = done + seen;
-    return VAL_CUT;
+    return v;
 }
 
-/* Bytes of a "model" key at the start of the window (1-6) whose first part ended the
- * previous segment: `tail` holds that segment's last 7 searched bytes, oldest in the low
- * byte. 0 when the two do not join into the key. At most one split point can match: each
- * puts a different key byte last in `tail`. */
-static __always_inline u32 bridged_key(struct lm_scratch *s, u64 tail, u32 n) {
-    u64 head = rd64(s->win, 0);
-    s->c.cur = 0;
-#pragma unroll
-    for (u32 j = 1; j < 7; j++) {
-        u64 in_tail = (1ULL << (8 * (7 - j))) - 1, in_head = (1ULL << (8 * j)) - 1;
-        if (j <= n && (tail >> (8 * j)) == (KEY7 & in_tail) &&
-            (head & in_head) == (KEY7 >> (8 * (7 - j))))
-            s->c.cur = j;
-    }
-    return LOAD(s->c.cur);
+/* A request that ended with no answer begun: it has no latency, only an outcome. */
+static __always_inline void count_ended(u64 model, u16 port, u8 ep, u32 outcome, u64 n) {
+    struct lm_req_stats *v = req_stats(model, port, ep);
+    if (v)
+        __sync_fetch_and_add(&v->outcomes[outcome % LM_OUT_COUNT], n);
 }
 
-/* ---- request queue of a connection ---- */
+/* ---- the request queue of a connection ---- */
 
-static __always_inline void push_request(struct lm_flow_state *st, u64 now, int is_head) {
+static __always_inline void push_request(struct lm_flow_state *st, u64 now, int is_head, u8 ep) {
     if (st->overflow || st->tail - st->head >= LM_PIPE_DEPTH) {
         if (!st->overflow)
             st->overflow_ns = now;
@@ -511,11 +282,95 @@ static __always_inline void push_request(struct lm_flow_state *st, u64 now, int 
     u32 slot = st->tail & (LM_PIPE_DEPTH - 1);
     st->ring[slot].start_ns = now;
     st->ring[slot].model_id = 0;
+    st->ep[slot] = ep;
     if (is_head)
         st->head_mask |= 1 << slot;
     else
         st->head_mask &= ~(1 << slot);
     st->tail++;
+}
+
+/* The answer being sent ends: its latency to the last byte (when known: not after its
+ * framing was lost), its outcome and usage, and its request leaves the queue. */
+static __always_inline void end_answer(struct lm_ctx *c, struct lm_flow_state *st, u32 outcome,
+                                       int timed) {
+    if (!(st->aflags & LM_A_ACTIVE))
+        return;
+    if (timed)
+        sample(c, st, LM_HK_E2E, seg_time(c) - st->ans_start, 1);
+    if ((st->aflags & LM_A_ERROR) && outcome == LM_OUT_COMPLETE)
+        outcome = LM_OUT_ERROR;
+    struct lm_req_stats *v = req_stats(st->ans_model, c->flow.server_port, st->ans_ep);
+    if (v) {
+        __sync_fetch_and_add(&v->outcomes[outcome % LM_OUT_COUNT], 1);
+        if (st->aflags & LM_A_USAGE) {
+            __sync_fetch_and_add(&v->usage_answers, 1);
+            __sync_fetch_and_add(&v->usage_events, st->events);
+            __sync_fetch_and_add(&v->output_tokens, st->out_tokens);
+        }
+        if (st->in_tokens)
+            __sync_fetch_and_add(&v->prompt_tokens, st->in_tokens);
+    }
+    if (st->tail != st->head)
+        st->head++;
+    else if (st->overflow)
+        st->overflow--;
+    st->aflags = 0;
+}
+
+/* The connection ends: RST either way, or a FIN. The answer being sent and every request
+ * still queued end with it, by who ended it first. A client's FIN ends its requests too:
+ * HTTP clients do not half-close, they close when they give up (a timeout, a stream read
+ * no further), and the answers that may still come are for no one. The state goes when
+ * nothing more can come (RST, or the server's FIN); until then an answer to no request is
+ * expected, not an error. */
+static __always_inline void close_flow(struct lm_ctx *c, struct lm_flow_state *st,
+                                       int from_client) {
+    if (!c->rst)
+        st->flags |= from_client ? LM_F_FIN_CLIENT : LM_F_FIN_SERVER;
+    int by_client = (st->flags & LM_F_FIN_CLIENT) || (c->rst && from_client);
+    u16 port = c->flow.server_port;
+    if (st->aflags & LM_A_ACTIVE) {
+        u32 outcome = by_client ? LM_OUT_ABORTED : LM_OUT_TRUNCATED;
+        if ((st->aflags & LM_A_DONE) ||
+            ((st->aflags & LM_A_CLOSE) && !from_client && !c->rst))
+            outcome = LM_OUT_COMPLETE; /* the stream had ended, or this FIN ends the body */
+        end_answer(c, st, outcome, outcome == LM_OUT_COMPLETE);
+    }
+    u32 queued = by_client ? LM_OUT_ABORTED : LM_OUT_UNANSWERED;
+#pragma unroll
+    for (int i = 0; i < LM_PIPE_DEPTH; i++) {
+        if (st->head + i == st->tail)
+            break;
+        u32 slot = (st->head + i) & (LM_PIPE_DEPTH - 1);
+        count_ended(st->ring[slot].model_id, port, st->ep[slot], queued, 1);
+    }
+    if (st->overflow)
+        count_ended(0, port, LM_EP_OTHER, queued, st->overflow);
+    st->head = st->tail;
+    st->overflow = 0;
+    if (c->rst || !from_client)
+        inflight.delete(&c->flow);
+}
+
+/* Every step ends here: the next step of the segment, if any, then the connection's end
+ * when the segment carried FIN or RST. */
+static __always_inline int dispatch(struct __sk_buff *skb, struct lm_ctx *c, int next) {
+    if (next >= 0)
+        lm_steps.call(skb, next);
+    if (c->fin || c->rst)
+        lm_steps.call(skb, STEP_CLOSE);
+    return PASS;
+}
+
+/* ---- request direction ---- */
+
+#define CARRIES (LM_F_KEY_CARRY | LM_F_VAL_CARRY)
+
+static __always_inline void lose_req(struct lm_flow_state *st) {
+    if (st->flags & LM_F_VAL_CARRY)
+        err(LM_ERR_MODEL_LOST);
+    st->flags &= ~(LM_F_REQ_FRAMED | LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN | CARRIES);
 }
 
 /* The newest request gets the model; one that overflowed the ring keeps model 0. The
@@ -545,91 +400,6 @@ static __always_inline void set_model(struct __sk_buff *skb, struct lm_scratch *
         err(LM_ERR_MODELS_FULL);
 }
 
-/* ---- latency histogram bucket: the same arithmetic as probes/buckets.py ---- */
-
-static __always_inline u32 lm_bucket(u64 v) {
-    if (v >= (1ULL << LM_HIST_MAX_EXP))
-        v = (1ULL << LM_HIST_MAX_EXP) - 1;
-    if (v < (1ULL << LM_HIST_SUB_BITS))
-        return (u32)v;
-    /* floor(log2 v) by binary search: __builtin_clzll crashes this clang */
-    u32 e = 0;
-    u64 x = v;
-    if (x >> 32) { x >>= 32; e += 32; }
-    if (x >> 16) { x >>= 16; e += 16; }
-    if (x >> 8) { x >>= 8; e += 8; }
-    if (x >> 4) { x >>= 4; e += 4; }
-    if (x >> 2) { x >>= 2; e += 2; }
-    if (x >> 1) { e += 1; }
-    u32 shift = e - LM_HIST_SUB_BITS;
-    return ((shift + 1) << LM_HIST_SUB_BITS) + (u32)((v >> shift) - (1ULL << LM_HIST_SUB_BITS));
-}
-
-static __always_inline void record(struct lm_ctx *c, u64 model, u16 status, u64 lat) {
-    struct lm_fp_key k = {};
-    __builtin_memcpy(&k.flow, &c->flow, sizeof(k.flow));
-    k.model_id = model;
-    k.status = status;
-    struct lm_fp_val *v = fingerprints.lookup(&k);
-    if (!v) {
-        struct lm_fp_val zero = {};
-        fingerprints.update(&k, &zero);
-        v = fingerprints.lookup(&k);
-    }
-    if (v) {
-        v->count += 1;
-        v->lat_sum_ns += lat;
-        if (lat > v->lat_max_ns)
-            v->lat_max_ns = lat;
-        v->last_ns = c->now;
-    } else {
-        err(LM_ERR_FP_FULL);
-    }
-    struct lm_hist_key hk = {.model_id = model, .status = status, .bucket = lm_bucket(lat),
-                             .port = c->flow.server_port};
-    u64 *hv = histograms.lookup(&hk);
-    if (!hv) {
-        u64 zero = 0;
-        histograms.update(&hk, &zero);
-        hv = histograms.lookup(&hk);
-    }
-    if (hv)
-        *hv += 1;
-    else
-        err(LM_ERR_HIST_FULL);
-}
-
-/* ---- connection end ---- */
-
-static __always_inline void close_flow(struct lm_ctx *c, struct lm_flow_state *st, int from_client) {
-    if (!c->rst) {
-        st->flags |= from_client ? LM_F_FIN_CLIENT : LM_F_FIN_SERVER;
-        if ((st->flags & (LM_F_FIN_CLIENT | LM_F_FIN_SERVER)) !=
-            (LM_F_FIN_CLIENT | LM_F_FIN_SERVER))
-            return;
-    }
-    u64 pending = (u64)(st->tail - st->head) + st->overflow;
-    if (pending)
-        err_add(LM_ERR_ABANDONED, pending);
-    inflight.delete(&c->flow);
-}
-
-static __always_inline int finish(struct lm_ctx *c, struct lm_flow_state *st, int from_client) {
-    if (c->fin || c->rst)
-        close_flow(c, st, from_client);
-    return PASS;
-}
-
-/* ---- request direction ---- */
-
-#define CARRIES (LM_F_KEY_CARRY | LM_F_VAL_CARRY)
-
-static __always_inline void lose_req(struct lm_flow_state *st) {
-    if (st->flags & LM_F_VAL_CARRY)
-        err(LM_ERR_MODEL_LOST);
-    st->flags &= ~(LM_F_REQ_FRAMED | LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN | CARRIES);
-}
-
 /* In the tail scan, moves c->pos past the body bytes before its last LM_SCAN_LIMIT. */
 static __always_inline void tail_skip(struct lm_ctx *c, struct lm_flow_state *st) {
     s32 from = (s32)(st->req_next - LM_SCAN_LIMIT - c->seq);
@@ -639,10 +409,9 @@ static __always_inline void tail_skip(struct lm_ctx *c, struct lm_flow_state *st
     }
 }
 
-/* The body's first LM_SCAN_LIMIT bytes held no "model". Clients that write the keys in the
- * order they were given put it after "messages" (openai-python does), so near the end of
- * a long body: when the end is known (Content-Length), its last LM_SCAN_LIMIT bytes are
- * searched too. Returns 0 when there is nothing left to search. */
+/* The body's first LM_SCAN_LIMIT bytes held no "model": when the end is known
+ * (Content-Length), its last LM_SCAN_LIMIT bytes are searched too (openai-python writes
+ * "model" after "messages"). Returns 0 when there is nothing left to search. */
 static __always_inline int tail_scan(struct lm_ctx *c, struct lm_flow_state *st) {
     if ((st->flags & (LM_F_REQ_FRAMED | LM_F_TAIL_SCAN)) != LM_F_REQ_FRAMED)
         return 0;
@@ -655,23 +424,26 @@ static __always_inline int tail_scan(struct lm_ctx *c, struct lm_flow_state *st)
     return 1;
 }
 
-/* Does the rest of this segment hold more request work? */
+/* What the rest of this segment holds in the request direction: the rest of a long head
+ * or a new head (STEP_REQ), body bytes to search for "model" (STEP_BODY), or nothing. */
 static __always_inline int req_more(struct lm_ctx *c, struct lm_flow_state *st) {
     if (c->pos >= c->len)
-        return 0;
+        return STEP_NONE;
+    if (c->hcont)
+        return STEP_REQ;
     if (!(st->flags & LM_F_REQ_FRAMED))
-        return (st->flags & LM_F_AWAIT_MODEL) != 0;
+        return (st->flags & LM_F_AWAIT_MODEL) ? STEP_BODY : STEP_NONE;
     s32 r = (s32)(st->req_next - c->seq);
     if ((st->flags & LM_F_AWAIT_MODEL) && r > (s32)c->pos)
-        return 1;
-    return r >= (s32)c->pos && r < (s32)c->len;
+        return STEP_BODY;
+    return r >= (s32)c->pos && r < (s32)c->len ? STEP_REQ : STEP_NONE;
 }
 
 /* One window of the newest request's body scan: window holds payload bytes from wbase,
  * n of them; the scan looks at key starts from win[a] up to the body end. */
 static __always_inline int model_scan(struct __sk_buff *skb, struct lm_scratch *s,
                                       struct lm_flow_state *st, u32 wbase, u32 a, u32 n,
-                                      u32 end) {
+                                      u32 end, const int iters) {
     struct lm_ctx *c = &s->c;
     u32 lim = n;
     if (lim - a > st->scan_left)
@@ -689,24 +461,30 @@ static __always_inline int model_scan(struct __sk_buff *skb, struct lm_scratch *
         c->vlen = st->carry_len;
         from = 0;
     } else if (carry && n >= 8) {
-        u32 j = bridged_key(s, st->carry, n);
+        u32 j = bridged(s, st->carry, n, KEY7, 7);
         if (j)
             from = j;
     }
     if (from < 0) {
         carry = 0;
-        f = find_key(s, a, lim, n, final, 'm', KEY7, 1);
+        f = find_token(s, a, lim, n, final, 'm', KEY7, LOW(7), 1, 7, iters);
         if (f.at >= 0)
             from = f.at + 7;
     }
     if (from >= 0) {
         u64 id = 0;
         int r = parse_value(s, from, n, &id);
-        if (r == VAL_CUT && !carry && !final && (f.at > (int)a || n < LM_WIN)) {
+        if (r == VAL_CUT && !carry && !final && (f.at > (int)a || n < LM_BWIN)) {
             /* the value runs past the window, and a window from the key holds more */
             st->scan_left -= f.at - a;
             c->pos = wbase + f.at;
-            return 1;
+            return STEP_BODY;
+        }
+        if (r == VAL_INVALID && f.at >= 0) {
+            /* a "model" key with no string value: not the request's, search on after it */
+            st->scan_left -= f.at + 7 - a;
+            c->pos = wbase + f.at + 7;
+            return req_more(c, st);
         }
         c->pos = wbase + n;
         if (r == VAL_CUT) {
@@ -735,7 +513,7 @@ static __always_inline int model_scan(struct __sk_buff *skb, struct lm_scratch *
         st->flags &= ~LM_F_AWAIT_MODEL; /* the body ended: it had no "model" */
     } else if (final && c->pos >= c->len && n >= 8) {
         /* the body goes on in the next segment: its start may finish a key begun here */
-        st->carry = rd64(s->win, n - 8) >> 8;
+        st->carry = brd64(s->win, n - 8) >> 8;
         st->flags |= LM_F_KEY_CARRY;
     }
     return req_more(c, st);
@@ -751,8 +529,9 @@ struct scan {
 };
 
 /* A request head starts at payload offset `at` (kind 0: the framing says so, check it):
- * queue the request, learn its framing from the head and plan the scan of the body's first
- * bytes, which share the window. Returns 1 when the plan is to scan now. */
+ * queue the request with its endpoint, learn its framing from the head and plan the scan
+ * of the body's first bytes, which share the window. Returns 1 when the plan is to scan
+ * now. */
 static __always_inline int req_head(struct __sk_buff *skb, struct lm_scratch *s,
                                     struct lm_flow_state *st, u32 at, int kind,
                                     struct scan *sc) {
@@ -769,7 +548,8 @@ static __always_inline int req_head(struct __sk_buff *skb, struct lm_scratch *s,
             lose_req(st);
             return 0;
         }
-        push_request(st, seg_time(c), kind == 2);
+        u8 ep = kind == 3 ? endpoint_of(s->win, n) : LM_EP_OTHER;
+        push_request(st, seg_time(c), kind == 2, ep);
         st->flags &= ~(LM_F_AWAIT_MODEL | LM_F_TAIL_SCAN | CARRIES);
         st->scan_left = LM_SCAN_LIMIT;
         c->hhas = 0;
@@ -822,82 +602,87 @@ static __always_inline int req_head(struct __sk_buff *skb, struct lm_scratch *s,
     return 1;
 }
 
-/* One step in the request direction: a head (with the start of its body), or a window of
- * a body still awaiting its model. Heavy functions have a single call site each, so clang
- * inlines one copy and the verifier walks their loops once. */
+/* One step in the request direction: a head, with the start of its body when the window
+ * holds it. Returns the next step. */
 static __always_inline int req_step(struct __sk_buff *skb, struct lm_scratch *s,
                                     struct lm_flow_state *st) {
     struct lm_ctx *c = &s->c;
     struct scan sc = {};
-    int kind = 0, framed_head = 0;
+    int kind = 0;
     u32 at = 0;
     if (st->flags & LM_F_UPGRADED)
-        return 0;
+        return STEP_NONE;
     if (c->hcont) {
         at = c->pos; /* the rest of a head the last step began */
-        framed_head = 1;
     } else if (!(st->flags & LM_F_REQ_FRAMED)) {
         /* without framing a head is recognised only at the start of a segment */
         if (c->steps == 1 && c->pos == 0)
             kind = method_kind(peek8(skb, c, 0));
-        if (!kind) {
-            if (!(st->flags & LM_F_AWAIT_MODEL))
-                return 0;
-            sc.end = c->len;
-        }
+        if (!kind)
+            return (st->flags & LM_F_AWAIT_MODEL) ? STEP_BODY : STEP_NONE;
     } else {
         s32 r = (s32)(st->req_next - c->seq);
+        if (st->flags & LM_F_AWAIT_MODEL) {
+            if (r > (s32)c->pos)
+                return STEP_BODY; /* the body before the next head */
+            st->flags &= ~LM_F_AWAIT_MODEL;
+        }
+        if (r < (s32)c->pos || r >= (s32)c->len)
+            return STEP_NONE;
+        at = r;
+    }
+    if (!req_head(skb, s, st, at, kind, &sc))
+        return req_more(c, st);
+    return model_scan(skb, s, st, sc.wbase, sc.a, sc.n, sc.end, WIN_ITERS);
+}
+
+/* One window of the body of the newest request, searched for "model". */
+static __always_inline int body_step(struct __sk_buff *skb, struct lm_scratch *s,
+                                     struct lm_flow_state *st) {
+    struct lm_ctx *c = &s->c;
+    u32 end = c->len;
+    if (st->flags & LM_F_REQ_FRAMED) {
         if (st->flags & LM_F_TAIL_SCAN) {
             tail_skip(c, st);
             if (c->pos >= c->len)
-                return 0;
+                return STEP_NONE;
         }
-        if (st->flags & LM_F_AWAIT_MODEL) {
-            if (r > (s32)c->pos)
-                sc.end = r < (s32)c->len ? (u32)r : c->len;
-            else
-                st->flags &= ~LM_F_AWAIT_MODEL; /* the body ended: it had no "model" */
+        s32 r = (s32)(st->req_next - c->seq);
+        if (r <= (s32)c->pos) {
+            st->flags &= ~LM_F_AWAIT_MODEL; /* the body ended: it had no "model" */
+            return req_more(c, st);
         }
-        if (!sc.end) {
-            if (r < (s32)c->pos || r >= (s32)c->len)
-                return 0;
-            at = r;
-            framed_head = 1;
-        }
+        if (r < (s32)c->len)
+            end = r;
     }
-    if (kind || framed_head) {
-        if (!req_head(skb, s, st, at, kind, &sc))
-            return c->hcont || req_more(c, st);
-    } else {
-        sc.n = load_win(skb, s, c->pos, sc.end);
-        if (!sc.n) {
-            lose_req(st);
-            return 0;
-        }
-        sc.wbase = c->pos;
+    u32 n = load_bwin(skb, s, c->pos, end);
+    if (!n) {
+        lose_req(st);
+        return STEP_NONE;
     }
-    return model_scan(skb, s, st, sc.wbase, sc.a, sc.n, sc.end);
+    return model_scan(skb, s, st, c->pos, 0, n, end, BWIN_ITERS);
 }
 
-/* A request-direction segment: the entry program runs its first step itself (saves a tail
- * call, ~30 ns, on the common one-step segment), lm_req the further ones. */
-static __always_inline int req_segment(struct __sk_buff *skb, struct lm_scratch *s) {
+/* The state of the connection a request-direction step works on; the first step of a
+ * segment creates it (a request starts the segment) or checks the segment against it. */
+static __always_inline struct lm_flow_state *req_enter(struct __sk_buff *skb,
+                                                       struct lm_scratch *s) {
     struct lm_ctx *c = &s->c;
     struct lm_flow_state *st = inflight.lookup(&c->flow);
     if (c->steps == 0) {
         if (!st) {
             if (!method_kind(peek8(skb, c, 0)))
-                return PASS;
+                return 0;
             __builtin_memset(&s->fresh, 0, sizeof(s->fresh));
             s->fresh.req_hwm = c->seq;
             inflight.update(&c->flow, &s->fresh);
             st = inflight.lookup(&c->flow);
             if (!st)
-                return PASS;
+                return 0;
         }
         s32 d = (s32)(st->req_hwm - c->seq);
         if (d >= (s32)c->len)
-            return finish(c, st, 1); /* a retransmission of bytes already parsed */
+            return 0; /* a retransmission of bytes already parsed */
         if (d > 0) {
             c->pos = d;
         } else if (d < 0 && (!(st->flags & LM_F_REQ_FRAMED) ||
@@ -907,22 +692,32 @@ static __always_inline int req_segment(struct __sk_buff *skb, struct lm_scratch 
         st->req_hwm = c->seq + c->len;
     }
     if (!st)
-        return PASS;
+        return 0;
     if (c->steps >= LM_MAX_STEPS) {
         err(LM_ERR_STEPS_EXHAUSTED);
         lose_req(st);
-        return finish(c, st, 1);
+        return 0;
     }
     c->steps++;
-    if (req_step(skb, s, st))
-        lm_steps.call(skb, STEP_REQ);
-    return finish(c, st, 1);
+    return st;
 }
 
 int lm_req(struct __sk_buff *skb) {
     u32 zero = 0;
     struct lm_scratch *s = scratch.lookup(&zero);
-    return s ? req_segment(skb, s) : PASS;
+    if (!s)
+        return PASS;
+    struct lm_flow_state *st = req_enter(skb, s);
+    return dispatch(skb, &s->c, st ? req_step(skb, s, st) : STEP_NONE);
+}
+
+int lm_body(struct __sk_buff *skb) {
+    u32 zero = 0;
+    struct lm_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return PASS;
+    struct lm_flow_state *st = req_enter(skb, s);
+    return dispatch(skb, &s->c, st ? body_step(skb, s, st) : STEP_NONE);
 }
 
 /* ---- response direction ---- */
@@ -931,44 +726,16 @@ static __always_inline void lose_resp(struct lm_flow_state *st) {
     st->flags &= ~(LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED);
 }
 
-static __always_inline int resp_more(struct lm_ctx *c, struct lm_flow_state *st) {
-    if (!(st->flags & LM_F_RESP_FRAMED))
-        return 0;
-    s32 r = (s32)(st->resp_next - c->seq);
-    return r >= (s32)c->pos && r < (s32)c->len;
-}
-
-/* Length of the hex chunk size at win[0..n) and its value in *size; through the scratch
- * so the digit count is not a per-path constant for the verifier. */
-static __always_inline u32 hex_size(struct lm_scratch *s, u32 n, u64 *size) {
-    u64 v = 0;
-    s->c.cur = 0;
-    for (int j = 0; j < 9; j++) {
-        if (j >= n)
-            break;
-        u8 ch = s->win[j];
-        u8 lo = ch | 0x20;
-        if (ch >= '0' && ch <= '9')
-            v = v * 16 + (ch - '0');
-        else if (lo >= 'a' && lo <= 'f')
-            v = v * 16 + (lo - 'a' + 10);
-        else
-            break;
-        s->c.cur = j + 1;
-    }
-    *size = v;
-    return LOAD(s->c.cur);
-}
-
-/* Follows chunk-size lines from resp_next while they are in this segment. Returns 1 when
- * a further step is needed (more chunk lines, or the next response head), else 0. */
-static __always_inline int chunk_hops(struct __sk_buff *skb, struct lm_scratch *s,
-                                      struct lm_flow_state *st) {
+/* Follows chunk-size lines from resp_next while they are in this segment; at the last
+ * chunk resp_next becomes the answer's end. */
+static __always_inline void chunk_hops(struct __sk_buff *skb, struct lm_scratch *s,
+                                       struct lm_flow_state *st) {
     struct lm_ctx *c = &s->c;
+    c->hopped = 1;
     for (int i = 0; i < LM_CHUNK_HOPS; i++) {
         s32 r = (s32)(st->resp_next - c->seq);
-        if (r < (s32)c->pos || r >= (s32)c->len)
-            return 0;
+        if (r < 0 || r >= (s32)c->len)
+            return;
         u32 n = load_win(skb, s, r, r + 12 < c->len ? r + 12 : c->len);
         u64 size = 0;
         u32 j = hex_size(s, n, &size);
@@ -977,71 +744,78 @@ static __always_inline int chunk_hops(struct __sk_buff *skb, struct lm_scratch *
             size > 0x7fffffff) {
             err(LM_ERR_FRAMING_LOST);
             lose_resp(st);
-            return 0;
+            return;
         }
-        c->pos = r;
         if (size == 0) {
             /* last chunk and the empty line ending the (trailer-less) body */
             st->resp_next = c->seq + r + j + 4;
             st->flags &= ~LM_F_RESP_CHUNKED;
-            return resp_more(c, st);
+            return;
         }
         st->resp_next = c->seq + r + j + 2 + (u32)size + 2;
     }
-    return resp_more(c, st);
+    c->hopped = 0; /* more chunk lines than one step follows: the next step goes on */
 }
 
+/* A status line at `at`: the answer to the oldest outstanding request begins. Records its
+ * time to first byte, learns its framing and whether it streams (SSE). */
 static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s,
                                      struct lm_flow_state *st, u32 at) {
     struct lm_ctx *c = &s->c;
-    u32 n = load_win(skb, s, at, at + 16 < c->len ? at + 16 : c->len);
+    struct head h = {};
+    u32 n = load_head(skb, s, at, st->resp_win, &h);
     const u8 *w = s->win;
     u8 d0 = rd8(w, 9), d1 = rd8(w, 10), d2 = rd8(w, 11);
     if (n < 13 || !is_status_line(rd64(w, 0)) || rd8(w, 8) != ' ' || d0 < '1' || d0 > '5' ||
         d1 < '0' || d1 > '9' || d2 < '0' || d2 > '9') {
         err(LM_ERR_FRAMING_LOST);
         lose_resp(st);
-        return 0;
+        return STEP_NONE;
     }
     u16 status = (d0 - '0') * 100 + (d1 - '0') * 10 + (d2 - '0');
     int interim = status < 200 && status != 101; /* 100 Continue and friends */
-    int head_req = 0;
+    int no_body = interim;
     if (!interim) {
+        u64 now = seg_time(c);
         if (st->tail != st->head) {
             u32 slot = st->head & (LM_PIPE_DEPTH - 1);
-            head_req = (st->head_mask >> slot) & 1;
-            record(c, st->ring[slot].model_id, status, seg_time(c) - st->ring[slot].start_ns);
-            st->head++;
+            no_body = (st->head_mask >> slot) & 1;
+            st->ans_start = st->ring[slot].start_ns;
+            st->ans_model = st->ring[slot].model_id;
+            st->ans_ep = st->ep[slot];
         } else if (st->overflow) {
-            record(c, 0, status, seg_time(c) - st->overflow_ns);
-            st->overflow--;
-        } else {
+            st->ans_start = st->overflow_ns;
+            st->ans_model = 0;
+            st->ans_ep = LM_EP_OTHER;
+        } else if (!(st->flags & LM_F_FIN_CLIENT)) {
             err(LM_ERR_RESP_NO_REQ);
+        }
+        if (st->tail != st->head || st->overflow) {
+            st->aflags = LM_A_ACTIVE | (h.ctype == CT_SSE ? LM_A_SSE : 0) |
+                         (h.ctype == CT_JSON ? LM_A_JSON : 0);
+            st->status = status;
+            st->events = 0;
+            st->out_tokens = 0;
+            st->in_tokens = 0;
+            record_flow(c, st->ans_model, status, now - st->ans_start);
+            sample(c, st, LM_HK_TTFB, now - st->ans_start, 1);
         }
     }
     if (status == 101) {
+        end_answer(c, st, LM_OUT_COMPLETE, 1);
         st->flags |= LM_F_UPGRADED;
-        return 0;
+        return STEP_NONE;
     }
-    if (!interim && st->tail == st->head && !st->overflow) {
-        /* Nothing else is outstanding, so the next response starts in a later segment: a
-         * client that does not pipeline sends its next request only once this answer has
-         * arrived. This head's framing (and its chunks) need not be followed; should a
-         * pipelined request come before the answer ends, resp_step searches the segments
-         * for the next status line instead. Saves most of the work on each response. */
-        lose_resp(st);
-        return 0;
-    }
-    struct head h = {};
-    load_head(skb, s, at, st->resp_win, &h);
     if (!h.len) {
+        /* a head longer than a window: the answer ends with the connection, or when a
+         * status line starts a later segment */
         lose_resp(st);
-        return 0;
+        return STEP_NONE;
     }
     st->resp_win = h.len + 16 < LM_WIN ? h.len + 16 : LM_WIN;
     u32 body = at + h.len;
     st->flags = (st->flags | LM_F_RESP_FRAMED) & ~LM_F_RESP_CHUNKED;
-    if (interim || head_req || status == 204 || status == 304) {
+    if (no_body || status == 204 || status == 304) {
         st->resp_next = c->seq + body;
     } else if (h.chunked) {
         st->resp_next = c->seq + body;
@@ -1049,15 +823,18 @@ static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s
     } else if (h.has_clen) {
         st->resp_next = c->seq + body + h.clen;
     } else {
-        lose_resp(st); /* delimited by the connection's close: nothing follows */
-        return 0;
+        lose_resp(st); /* delimited by the connection's close */
+        st->aflags |= LM_A_CLOSE;
     }
     c->pos = body;
-    return resp_more(c, st);
+    /* the body of a stream starts a new line: a first "data:" right here is an event */
+    st->sse_carry = (u64)'\n' << 48;
+    st->aflags |= LM_A_CARRY;
+    return STEP_RESP;
 }
 
-/* Unframed, with requests outstanding (a pipelining client, see resp_head): searches the
- * rest of the segment, a window per step, for a status line. Returns its offset, or -1
+/* Unframed, with requests outstanding (a pipelining client, or framing lost): searches
+ * the rest of the segment, a window per step, for a status line. Returns its offset, or -1
  * with c->pos moved past what was searched. */
 static __always_inline int status_scan(struct __sk_buff *skb, struct lm_scratch *s) {
     struct lm_ctx *c = &s->c;
@@ -1066,85 +843,345 @@ static __always_inline int status_scan(struct __sk_buff *skb, struct lm_scratch 
         c->pos = c->len;
         return -1;
     }
-    struct found f = find_key(s, 0, n, n, c->pos + n >= c->len, 'H', HTTP7, 0);
+    struct found f = find_token(s, 0, n, n, c->pos + n >= c->len, 'H', HTTP7, LOW(7), 0, 7,
+                                WIN_ITERS);
     if (f.at >= 0)
         return c->pos + f.at;
     c->pos += f.stop;
     return -1;
 }
 
-/* One step in the response direction: a run of chunk-size lines, a window of status line
- * search, or one response head; resp_head has a single call site, for the verifier. */
+/* Has lm_usage search payload bytes [from, to) of this segment for a "usage" object, then
+ * go on with step `after`. Its own program: entered from one state, the verifier walks the
+ * search and the parse once, where inline they would be walked once per path before them. */
+static __always_inline int usage_next(struct lm_ctx *c, u32 from, u32 to, int after) {
+    c->ufrom = from;
+    c->uto = to;
+    c->uafter = after;
+    return STEP_USAGE;
+}
+
+/* One step in the response direction: a head, then what follows it in the segment: the
+ * chunk lines, the usage at a JSON answer's end, the answer's end. SSE events go to lm_sse.
+ * Falls through from one unit to the next where it can: each tail call costs ~30 ns, and a
+ * short JSON answer (head, body and end in one segment) then takes one step. Returns the
+ * next step. */
 static __always_inline int resp_step(struct __sk_buff *skb, struct lm_scratch *s,
                                      struct lm_flow_state *st) {
     struct lm_ctx *c = &s->c;
-    u32 at = 0;
     if (st->flags & LM_F_UPGRADED)
-        return 0;
-    if (!(st->flags & LM_F_RESP_FRAMED)) {
-        /* a head is recognised at the start of a segment, and anywhere in it while a
-         * pipelining client has requests outstanding */
-        if (c->steps != 1 || c->pos != 0 || !is_status_line(peek8(skb, c, 0))) {
+        return STEP_NONE;
+    if (!(st->aflags & LM_A_ACTIVE)) {
+        u32 at = 0;
+        s32 r = (s32)(st->resp_next - c->seq);
+        if ((st->flags & LM_F_RESP_FRAMED) && r < 0)
+            lose_resp(st); /* it points at bytes before this segment: lost with them */
+        if (st->flags & LM_F_RESP_FRAMED) {
+            if (r < (s32)c->pos || r >= (s32)c->len)
+                return STEP_NONE;
+            at = r; /* resp_head checks that a status line starts there */
+        } else if (c->steps != 1 || c->pos != 0 || !is_status_line(peek8(skb, c, 0))) {
+            /* unframed: a head starts a segment, or (pipelining) comes anywhere in it */
             if (st->tail == st->head && !st->overflow)
-                return 0;
-            int r = status_scan(skb, s);
-            if (r < 0)
-                return c->pos < c->len;
-            at = r;
+                return STEP_NONE;
+            int p = status_scan(skb, s);
+            if (p < 0)
+                return c->pos < c->len ? STEP_RESP : STEP_NONE;
+            at = p;
+        }
+        int next = resp_head(skb, s, st, at);
+        if (next != STEP_RESP || !(st->aflags & LM_A_ACTIVE))
+            return next;
+    }
+    c->aend = NOWHERE;
+    if (!(st->flags & LM_F_RESP_FRAMED)) {
+        /* framing lost, or the body ends with the connection: a status line starting a
+         * segment is the next answer, so this one ended (when, the wire did not say) */
+        if (!(st->aflags & LM_A_CLOSE) && c->steps == 1 && c->pos == 0 &&
+            is_status_line(peek8(skb, c, 0))) {
+            end_answer(c, st, LM_OUT_COMPLETE, 0);
+            return STEP_RESP;
         }
     } else {
-        if (st->flags & LM_F_RESP_CHUNKED)
-            return chunk_hops(skb, s, st);
+        if ((st->flags & LM_F_RESP_CHUNKED) && !c->hopped) {
+            chunk_hops(skb, s, st);
+            if (!c->hopped)
+                return STEP_RESP; /* more chunk lines than one step follows */
+        }
         s32 r = (s32)(st->resp_next - c->seq);
-        if (r < (s32)c->pos || r >= (s32)c->len)
-            return 0;
-        at = r; /* resp_head checks that a status line starts there */
+        if ((st->flags & (LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED)) == LM_F_RESP_FRAMED &&
+            r >= 0 && r <= (s32)c->len)
+            c->aend = r < (s32)c->pos ? c->pos : (u32)r;
     }
-    return resp_head(skb, s, st, at);
+    u32 lim = c->aend < c->len ? c->aend : c->len;
+    if ((st->aflags & LM_A_SSE) && c->pos < lim)
+        return STEP_SSE;
+    if (c->aend == NOWHERE)
+        return STEP_NONE;
+    if ((st->aflags & (LM_A_JSON | LM_A_SSE)) == LM_A_JSON && !c->tailed && c->aend > c->pos) {
+        /* the usage object sits in a JSON answer's last bytes */
+        c->tailed = 1;
+        u32 from = c->aend > c->pos + LM_USAGE_TAIL ? c->aend - LM_USAGE_TAIL : c->pos;
+        return usage_next(c, from, c->aend, STEP_RESP);
+    }
+    c->tailed = 0;
+    end_answer(c, st, LM_OUT_COMPLETE, 1);
+    c->pos = c->aend;
+    return c->aend < c->len ? STEP_RESP : STEP_NONE;
 }
 
-/* A response-direction segment: like req_segment. */
-static __always_inline int resp_segment(struct __sk_buff *skb, struct lm_scratch *s) {
+/* The state of the connection a response-direction step works on (lm_resp, lm_sse); the
+ * first step of a segment checks the segment against it. */
+static __always_inline struct lm_flow_state *resp_enter(struct __sk_buff *skb,
+                                                        struct lm_scratch *s) {
     struct lm_ctx *c = &s->c;
     struct lm_flow_state *st = inflight.lookup(&c->flow);
     if (!st) {
         if (c->steps == 0 && is_status_line(peek8(skb, c, 0)))
             err(LM_ERR_RESP_NO_REQ);
-        return PASS;
+        return 0;
     }
     if (c->steps == 0) {
+        c->hopped = 0;
+        c->tailed = 0;
         if (!(st->flags & LM_F_RESP_SYNCED)) {
             if (!is_status_line(peek8(skb, c, 0)))
-                return finish(c, st, 0);
+                return 0;
             st->resp_hwm = c->seq;
             st->flags |= LM_F_RESP_SYNCED;
         }
         s32 d = (s32)(st->resp_hwm - c->seq);
         if (d >= (s32)c->len)
-            return finish(c, st, 0);
+            return 0; /* a retransmission of bytes already parsed */
         if (d > 0) {
             c->pos = d;
-        } else if (d < 0 && (!(st->flags & LM_F_RESP_FRAMED) ||
-                             (s32)(st->resp_next - c->seq) < 0)) {
-            lose_resp(st);
+        } else if (d < 0) {
+            /* bytes never seen: framing that pointed into them is lost, and with it
+             * where a stream's events start */
+            if (!(st->flags & LM_F_RESP_FRAMED) || (s32)(st->resp_next - c->seq) < 0)
+                lose_resp(st);
+            st->aflags &= ~LM_A_CARRY;
         }
         st->resp_hwm = c->seq + c->len;
     }
     if (c->steps >= LM_MAX_STEPS) {
         err(LM_ERR_STEPS_EXHAUSTED);
         lose_resp(st);
-        return finish(c, st, 0);
+        return 0;
     }
     c->steps++;
-    if (resp_step(skb, s, st))
-        lm_steps.call(skb, STEP_RESP);
-    return finish(c, st, 0);
+    return st;
 }
 
 int lm_resp(struct __sk_buff *skb) {
     u32 zero = 0;
     struct lm_scratch *s = scratch.lookup(&zero);
-    return s ? resp_segment(skb, s) : PASS;
+    if (!s)
+        return PASS;
+    struct lm_flow_state *st = resp_enter(skb, s);
+    return dispatch(skb, &s->c, st ? resp_step(skb, s, st) : STEP_NONE);
+}
+
+/* ---- SSE events of a streamed answer ---- */
+
+/* What the data: event whose "data:" ends at window offset p is: [DONE] (the stream's
+ * end), {"error"...} (the stream failed), or a token event (EV_*). */
+static __always_inline int event_kind(struct lm_scratch *s, u32 p, u32 n) {
+    const u8 *w = s->win;
+    if (p < n && brd8(w, p) == ' ')
+        p++;
+    if (p + 6 > n) {
+        /* too few bytes left in the segment to tell [DONE] from a token */
+        s->c.cut = 1;
+        return EV_TOKEN;
+    }
+    u64 v = brd64(w, p);
+    if ((v & LOW(6)) == C8('[', 'D', 'O', 'N', 'E', ']', 0, 0))
+        return EV_DONE;
+    if (p + 8 <= n && v == C8('{', '"', 'e', 'r', 'r', 'o', 'r', '"'))
+        return EV_ERROR;
+    return EV_TOKEN;
+}
+
+/* Counts the data: events in win[0..n): the line starts "\ndata:", found by their '\n'
+ * 8 bytes at a time; in the raw bytes, chunk lines included, every event line follows a
+ * line end, the chunk-size line's own when the event starts a chunk. Leaves in c->stop the
+ * first byte not searched (NOWHERE when the loop ran out of iterations: c->cur then), the
+ * count in c->tokens and the last two events' offsets in c->last and c->prev (NOWHERE
+ * for none). Which of them are [DONE] or an error is told after the loop: those come at a
+ * stream's end, and a loop whose paths all leave the same registers is walked by the
+ * verifier once per iteration, where one that branches on what it found is not. */
+static __always_inline void count_events(struct lm_scratch *s, u32 n, int final) {
+    const u8 *w = s->win;
+    struct lm_ctx *c = &s->c;
+    c->n = n;
+    /* bytes from a "\n" to tell the event: "\ndata:" and, unless nothing follows in the
+     * segment, what tells [DONE] or an error apart */
+    c->lim = final ? 6 : 16;
+    c->vlen = final ? n : 0; /* where a cut search stops: the end, or the cut token */
+    c->cur = LOAD(c->zero);
+    c->stop = NOWHERE;
+    for (int i = 0; i < BWIN_ITERS; i++) {
+        u32 p = LOAD(c->cur);
+        if (p >= LOAD(c->n)) {
+            c->stop = p;
+            break;
+        }
+        u64 t = has_byte(brd64(w, p), '\n' * ONES);
+        if (!t) {
+            c->cur = p + 8;
+            continue;
+        }
+        u32 q = p + first_flagged(t);
+        if (q + LOAD(c->lim) > LOAD(c->n)) {
+            /* cut by the window: the next one starts here; at the segment's end the carry
+             * takes its bytes to the next segment */
+            c->stop = LOAD(c->vlen) ? LOAD(c->vlen) : q;
+            break;
+        }
+        c->cur = q + 1;
+        if ((brd64(w, q) & LOW(6)) != DATA6)
+            continue;
+        c->cur = q + 6;
+        STORE(c->tokens, LOAD(c->tokens) + 1);
+        STORE(c->prev, LOAD(c->last));
+        STORE(c->last, q + 6);
+    }
+}
+
+/* One window of a streamed answer's body, up to its end in this segment: its data: events
+ * (the first is the time to first token, the gaps between them the inter-token latency)
+ * and the token counts of a "usage" object in its last token event. Events of one segment
+ * arrive together: after the first, their gaps are 0, recorded in one add. */
+static __always_inline int sse_step(struct __sk_buff *skb, struct lm_scratch *s,
+                                    struct lm_flow_state *st) {
+    struct lm_ctx *c = &s->c;
+    u32 lim = c->aend < c->len ? c->aend : c->len;
+    u32 wbase = c->pos;
+    u32 n = load_bwin(skb, s, wbase, lim);
+    if (!n) {
+        c->pos = lim;
+        return c->aend == NOWHERE ? STEP_NONE : STEP_RESP;
+    }
+    int final = wbase + n >= lim;
+    c->tokens = 0;
+    c->last = NOWHERE;
+    c->prev = NOWHERE;
+    c->cut = 0;
+    if (st->aflags & LM_A_CARRY) {
+        /* an event line begun at the end of the last segment */
+        u32 j = bridged(s, st->sse_carry, n, DATA6, 6);
+        if (j) {
+            c->tokens = 1;
+            c->last = j;
+        }
+    }
+    count_events(s, n, final);
+    /* [DONE] ends a stream, an error event comes just before it: only the last two events
+     * of a window can be either */
+    int done_before = st->aflags & LM_A_DONE;
+    u32 tokens = LOAD(c->tokens);
+    u32 last = LOAD(c->last), prev = LOAD(c->prev);
+    if (last != NOWHERE) {
+        int kind = event_kind(s, last, n);
+        if (kind != EV_TOKEN) {
+            tokens--;
+            last = prev;
+            st->aflags |= kind == EV_DONE ? LM_A_DONE : LM_A_ERROR;
+            if (kind == EV_DONE && prev != NOWHERE && event_kind(s, prev, n) == EV_ERROR) {
+                tokens--;
+                last = NOWHERE;
+                st->aflags |= LM_A_ERROR;
+            }
+        }
+    }
+    /* through the scratch again, so the paths above leave one state */
+    STORE(c->tokens, done_before ? 0 : tokens);
+    STORE(c->last, last);
+    if (c->cut)
+        err(LM_ERR_EVENT_CUT);
+    u32 stop = LOAD(c->stop);
+    if (stop >= n && stop != NOWHERE) {
+        /* searched to the window's end: its last bytes may begin an event line that the
+         * next segment finishes */
+        if (n >= 8) {
+            st->sse_carry = brd64(s->win, n - 8) >> 8;
+            st->aflags |= LM_A_CARRY;
+        }
+        c->pos = wbase + n;
+    } else {
+        /* an event cut by the window, or more events than one step takes: the next window
+         * starts at the first byte not searched */
+        st->aflags &= ~LM_A_CARRY;
+        c->pos = wbase + (stop == NOWHERE ? LOAD(c->cur) : stop);
+    }
+    int next = c->pos < lim ? STEP_SSE : c->aend == NOWHERE ? STEP_NONE : STEP_RESP;
+    tokens = LOAD(c->tokens);
+    if (!tokens)
+        return next;
+    u64 now = seg_time(c);
+    if (!(st->aflags & LM_A_FIRST)) {
+        sample(c, st, LM_HK_TTFT, now - st->ans_start, 1);
+        st->aflags |= LM_A_FIRST;
+    } else {
+        sample(c, st, LM_HK_ITL, now - st->event_ns, 1);
+    }
+    if (tokens > 1)
+        sample(c, st, LM_HK_ITL, 0, tokens - 1);
+    st->event_ns = now;
+    st->events += tokens;
+    /* a usage object rides in the window's last token event, if anywhere */
+    if (LOAD(c->last) == NOWHERE)
+        return next;
+    u32 from = wbase + LOAD(c->last);
+    return usage_next(c, from, from + LM_WIN < wbase + n ? from + LM_WIN : wbase + n, next);
+}
+
+int lm_sse(struct __sk_buff *skb) {
+    u32 zero = 0;
+    struct lm_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return PASS;
+    struct lm_flow_state *st = resp_enter(skb, s);
+    return dispatch(skb, &s->c, st ? sse_step(skb, s, st) : STEP_NONE);
+}
+
+/* A "usage" object in the bytes usage_next() named: its output and prompt tokens. */
+static __always_inline int usage_step(struct __sk_buff *skb, struct lm_scratch *s,
+                                      struct lm_flow_state *st) {
+    struct lm_ctx *c = &s->c;
+    u32 n = load_win(skb, s, c->ufrom, c->uto);
+    if (!n)
+        return c->uafter;
+    struct found f = find_token(s, 0, n, n, 1, 'u', USAGE7, LOW(7), 1, 7, WIN_ITERS);
+    u32 out = 0, in = 0;
+    if (f.at >= 0 && parse_usage(s, f.at, n, &out, &in)) {
+        st->out_tokens = out;
+        st->in_tokens = in;
+        st->aflags |= LM_A_USAGE;
+    }
+    return c->uafter;
+}
+
+int lm_usage(struct __sk_buff *skb) {
+    u32 zero = 0;
+    struct lm_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return PASS;
+    struct lm_flow_state *st = resp_enter(skb, s);
+    return dispatch(skb, &s->c, st ? usage_step(skb, s, st) : STEP_NONE);
+}
+
+/* The connection ended: see close_flow. */
+int lm_close(struct __sk_buff *skb) {
+    u32 zero = 0;
+    struct lm_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return PASS;
+    struct lm_flow_state *st = inflight.lookup(&s->c.flow);
+    if (st)
+        close_flow(&s->c, st, s->c.dir == STEP_REQ);
+    return PASS;
 }
 
 /* ---- entry: L2-L4 and dispatch ---- */
@@ -1246,12 +1283,11 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
     c->len = ip_end > poff ? ip_end - poff : 0;
     c->fin = th.fin;
     c->rst = th.rst;
+    c->now = 0;
+    c->dir = dir;
     if (c->len == 0) {
-        if (c->fin || c->rst) {
-            struct lm_flow_state *st = inflight.lookup(f);
-            if (st)
-                close_flow(c, st, dir == STEP_REQ);
-        }
+        if (c->fin || c->rst)
+            lm_steps.call(skb, STEP_CLOSE);
         return PASS;
     }
     c->poff = poff;
@@ -1259,14 +1295,8 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
     c->pos = 0;
     c->steps = 0;
     c->hcont = 0;
-    c->now = 0;
-#ifdef LM_ENTRY_TAILCALL
-    /* for verifiers that refuse the entry program with the first step inline (see loader) */
     lm_steps.call(skb, dir);
     return PASS;
-#else
-    return dir == STEP_REQ ? req_segment(skb, s) : resp_segment(skb, s);
-#endif
 }
 
 /* Interfaces with an Ethernet header (Ethernet, veth, loopback). */
@@ -1278,4 +1308,3 @@ int lm_tc_eth(struct __sk_buff *skb) {
 int lm_tc_raw(struct __sk_buff *skb) {
     return entry(skb, 0);
 }
-

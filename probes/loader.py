@@ -37,20 +37,18 @@ TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_retransmit_skb", "tcp/tcp_se
                "tcp/tcp_receive_reset")
 ENTRY_ETH = "lm_tc_eth"
 ENTRY_RAW = "lm_tc_raw"
-STEPS = ("lm_req", "lm_resp")  # indexes STEP_REQ, STEP_RESP of the lm_steps prog array
-# Entry programs tried in turn: with the first parsing step inline (fastest; here the
-# verifier walks 640k of its 1M instructions, which an older verifier may refuse), then
-# one that tail-calls every step (1k).
-ENTRY_VARIANTS: tuple[tuple[str, ...], ...] = ((), ("-DLM_ENTRY_TAILCALL=1",))
+# The tail-called step programs, in the order of their indexes in the lm_steps prog array
+# (STEP_REQ, STEP_RESP, STEP_SSE, STEP_BODY, STEP_CLOSE, STEP_USAGE in http.bpf.c).
+STEPS = ("lm_req", "lm_resp", "lm_sse", "lm_body", "lm_close", "lm_usage")
 
 CAP_NET_ADMIN = 12
 CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
 CAP_BPF = 39
 
-# Body bytes the model search may read per request: a JSON body that puts more than 8 KiB
-# before "model" is not worth reading in the kernel (each step reads one 512-byte window).
-MAX_SCAN_LIMIT = 8192
+# Body bytes the model search may read at each end of a request: 1 MiB costs about 0.4 ms
+# of kernel time in 256 steps of 4 KiB, spread over the segments that carry it.
+MAX_SCAN_LIMIT = 1 << 20
 
 
 class ProbeUnavailable(Exception):
@@ -63,7 +61,8 @@ class MapSizes:
 
     inflight: int = 16384  # live connections to serving ports
     fingerprints: int = 16384  # flow x model x status seen in the last flow_idle_s
-    histograms: int = 8192  # model x port x status x latency bucket in use
+    histograms: int = 16384  # model x port x endpoint x status x kind x latency bucket in use
+    requests: int = 1024  # model x port x endpoint
     models: int = 1024  # distinct model names
     ports: int = 64  # serving ports (per-port TCP stats)
 
@@ -165,7 +164,7 @@ class ProbeSet:
     """The probes on a set of interfaces for a set of serving ports."""
 
     def __init__(self, interfaces: Sequence[str], ports: Sequence[int],
-                 sizes: MapSizes = MapSizes(), *, scan_limit: int = 1024) -> None:
+                 sizes: MapSizes = MapSizes(), *, scan_limit: int = 65536) -> None:
         if isinstance(interfaces, str):
             raise TypeError("interfaces is a sequence of names, not one string")
         self._interfaces = tuple(dict.fromkeys(interfaces))
@@ -257,12 +256,13 @@ class ProbeSet:
                     self._detach_tc()
                     raise
 
-    def read_maps(self) -> MapSnapshot:
-        """Blocking read of every map (the reader calls it from a worker thread)."""
+    def read_maps(self, with_flows: bool = True) -> MapSnapshot:
+        """Blocking read of every map (the reader calls it from a worker thread); with_flows
+        False leaves out the flow table (MapReader.read)."""
         with self._lock:
             if self._reader is None:
                 raise RuntimeError("probes not started")
-            return self._reader.read()
+            return self._reader.read(with_flows)
 
     def expire_flows(self, keys: Iterable[FlowKey]) -> None:
         with self._lock:
@@ -295,18 +295,8 @@ class ProbeSet:
         with IPRoute() as ipr:  # before compiling: a wrong name fails in milliseconds
             links = {ifname: self._link(ipr, ifname) for ifname in self._interfaces}
         entries = sorted({entry for _, _, entry in links.values()})
-        for i, variant in enumerate(ENTRY_VARIANTS):
-            self._bpf = self._compile(bcc, tracefs, variant)
-            try:
-                self._progs = {name: self._prog(name) for name in (*entries, *STEPS)}
-                break
-            except ProbeUnavailable as exc:
-                if i == len(ENTRY_VARIANTS) - 1:
-                    raise
-                log.warning("probes: the kernel refused a program (%s); trying %s", exc,
-                            " ".join(ENTRY_VARIANTS[i + 1]))
-                self._bpf.cleanup()
-                self._bpf = None
+        self._bpf = self._compile(bcc, tracefs)
+        self._progs = {name: self._prog(name) for name in (*entries, *STEPS)}
         steps = self._bpf[b"lm_steps"]
         for i, name in enumerate(STEPS):
             steps[ctypes.c_int(i)] = ctypes.c_int(self._progs[name].fd)
@@ -316,19 +306,20 @@ class ProbeSet:
         self._reader = MapReader(self._bpf, lib, ncpu)
         self._attach_all()
 
-    def _compile(self, bcc: Any, tracefs: Path, variant: tuple[str, ...]) -> Any:
+    def _compile(self, bcc: Any, tracefs: Path) -> Any:
         cflags = [
             f"-I{HERE}",
             f"-DLM_INFLIGHT_ENTRIES={self.sizes.inflight}",
             f"-DLM_FP_ENTRIES={self.sizes.fingerprints}",
             f"-DLM_HIST_ENTRIES={self.sizes.histograms}",
+            f"-DLM_REQ_ENTRIES={self.sizes.requests}",
             f"-DLM_MODEL_ENTRIES={self.sizes.models}",
             f"-DLM_PORT_ENTRIES={self.sizes.ports}",
             f"-DLM_SCAN_LIMIT={self.scan_limit}",
             f"-DLM_HIST_SUB_BITS={buckets.SUB_BITS}",
             f"-DLM_HIST_MAX_EXP={buckets.MAX_EXP}",
             *kernel_cflags(tracefs),
-            *variant,
+            *os.environ.get("LM_XFLAGS", "").split(),
         ]
         text = "\n".join((HERE / name).read_text() for name in SOURCES)
         try:

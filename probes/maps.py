@@ -29,7 +29,6 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 from . import abi
-from .model_id import NO_MODEL
 
 IPPROTO_TCP = 6
 _V4_MAPPED = bytes(10) + b"\xff\xff"
@@ -113,20 +112,46 @@ class PortStats(NamedTuple):
     resets_received: int
 
 
+class RequestStats(NamedTuple):
+    """How a (model, port, endpoint)'s requests ended, and the tokens their answers' usage
+    objects reported (cumulative). Field order: lm_req_stats, outcomes as LM_OUT_*."""
+
+    complete: int = 0
+    error: int = 0
+    aborted: int = 0
+    truncated: int = 0
+    unanswered: int = 0
+    usage_answers: int = 0  # answers whose usage gave their output tokens
+    usage_events: int = 0  # the data: events of those answers
+    output_tokens: int = 0  # from usage
+    prompt_tokens: int = 0  # from usage
+
+
+class InFlight(NamedTuple):
+    waiting: int  # request seen, no first token yet (a non-streamed one: no answer yet)
+    running: int  # its answer streams, and has not ended
+
+
+# (model_id, serving port, endpoint class): the unit of a model's figures.
+EndpointKey = tuple[int, int, int]
+# (model_id, serving port, endpoint class, kind LM_HK_*, status, bucket)
+HistKey = tuple[int, int, int, int, int, int]
+
+
 @dataclass(frozen=True)
 class MapSnapshot:
     """Everything the probes hold, read at one moment (mono_ns, CLOCK_MONOTONIC). Kernel
-    counters are cumulative since the maps were created, i.e. since the probes started."""
+    counters are cumulative since the maps were created, i.e. since the probes started.
+    flows is None when the read left the flow table out (it is the one big map)."""
 
     mono_ns: int
-    flows: FlowTable = field(default_factory=lambda: FlowTable.of({}))
-    # (model_id, serving port, status, bucket) -> responses
-    histograms: Mapping[tuple[int, int, int, int], int] = field(default_factory=dict)
+    flows: FlowTable | None = field(default_factory=lambda: FlowTable.of({}))
+    histograms: Mapping[HistKey, int] = field(default_factory=dict)  # -> samples
+    requests: Mapping[EndpointKey, RequestStats] = field(default_factory=dict)
     models: Mapping[int, str] = field(default_factory=dict)
     errors: Mapping[str, int] = field(default_factory=dict)
     ports: Mapping[int, PortStats] = field(default_factory=dict)
-    # (model_id, serving port) -> requests sent and not answered yet
-    inflight: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    inflight: Mapping[EndpointKey, InFlight] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=65536)
@@ -231,8 +256,14 @@ class MapReader:
             "status")))
         hist = bpf[b"histograms"]
         self._hist_key = abi.codec(hist.Key)
-        self._hist = _Batch(lib, hist.map_fd, ctypes.sizeof(hist.Key), 8 * ncpu,
-                            hist.max_entries)
+        self._hist = _Batch(lib, hist.map_fd, ctypes.sizeof(hist.Key), 8, hist.max_entries)
+        req = bpf[b"requests"]
+        self._req_key = abi.codec(req.Key)
+        self._req_val = abi.codec(req.Leaf)
+        if len(self._req_val.fields) != len(RequestStats._fields):
+            raise TypeError("lm_req_stats: RequestStats does not match its fields")
+        self._req = _Batch(lib, req.map_fd, ctypes.sizeof(req.Key), ctypes.sizeof(req.Leaf),
+                           req.max_entries)
         infl = bpf[b"inflight"]
         self._infl_key = abi.codec(infl.Key)
         self._infl_val = abi.codec(infl.Leaf)
@@ -240,16 +271,23 @@ class MapReader:
                             ctypes.sizeof(infl.Leaf), infl.max_entries)
         self._depth = abi.const("LM_PIPE_DEPTH")
         self._error_names = abi.error_names()
-        # (head, tail, overflow) of a connection and the port of its key, skipping the rest
-        self._infl_queue = _fields_struct(self._infl_val, ("head", "tail", "overflow"))
+        # (head, tail, overflow, aflags) of a connection and the port of its key, skipping
+        # the rest
+        self._infl_queue = _fields_struct(self._infl_val, ("head", "tail", "overflow", "aflags"))
         self._infl_port = _fields_struct(self._infl_key, ("server_port",))
+        self._active = abi.const("LM_A_ACTIVE")
+        self._streams = abi.const("LM_A_SSE")
+        self._first = abi.const("LM_A_FIRST")
 
-    def read(self) -> MapSnapshot:
+    def read(self, with_flows: bool = True) -> MapSnapshot:
+        """Every map; with_flows False leaves out the flow table, the only map whose read
+        grows with the number of connections times the CPUs."""
         mono = time.monotonic_ns()
         return MapSnapshot(
             mono_ns=mono,
-            flows=self.flows(),
+            flows=self.flows() if with_flows else None,
             histograms=self.histograms(),
+            requests=self.requests(),
             models=self.models(),
             errors=self.errors(),
             ports=self.ports(),
@@ -283,16 +321,20 @@ class MapReader:
             self._flow_keys[raw] = key
         return key
 
-    def histograms(self) -> dict[tuple[int, int, int, int], int]:
-        keys, values, _ = self._hist.read()
+    def histograms(self) -> dict[HistKey, int]:
+        keys, values, n = self._hist.read()
         kc = self._hist_key
-        mi, pi = kc.index("model_id"), kc.index("port")
-        si, bi = kc.index("status"), kc.index("bucket")
-        per_entry = struct.Struct(f"<{self._ncpu}Q")
-        return {
-            (k[mi], k[pi], k[si], k[bi]): sum(v)
-            for k, v in zip(kc.struct.iter_unpack(keys), per_entry.iter_unpack(values))
-        }
+        pick = itemgetter(*(kc.index(f) for f in ("model_id", "port", "endpoint", "kind",
+                                                    "status", "bucket")))
+        counts = values.cast("B").cast("Q")[:n]
+        return dict(zip(map(pick, kc.struct.iter_unpack(keys)), counts))
+
+    def requests(self) -> dict[EndpointKey, RequestStats]:
+        keys, values, _ = self._req.read()
+        kc = self._req_key
+        pick = itemgetter(*(kc.index(f) for f in ("model_id", "port", "endpoint")))
+        return {pick(k): RequestStats(*v) for k, v in
+                zip(kc.struct.iter_unpack(keys), self._req_val.struct.iter_unpack(values))}
 
     def models(self) -> dict[int, str]:
         out = {}
@@ -311,28 +353,37 @@ class MapReader:
                                        for f in PortStats._fields))
         return out
 
-    def inflight(self) -> dict[tuple[int, int], int]:
-        """Requests sent and not yet answered, per (model, serving port); model 0: unknown
-        yet or none."""
+    def inflight(self) -> dict[EndpointKey, InFlight]:
+        """Requests outstanding per (model, serving port, endpoint): the one being answered
+        is running once its answer streams tokens (or, not streamed, has begun), the others
+        wait. Model 0: unknown yet, or none."""
         keys, values, _ = self._infl.read()
         queues = self._infl_queue.iter_unpack(values)
-        busy = [i for i, (head, tail, over) in enumerate(queues) if tail != head or over]
+        busy = [i for i, (head, tail, over, _flags) in enumerate(queues) if tail != head or over]
         vc, vs, ks = self._infl_val, self._infl_val.struct.size, self._infl_key.struct.size
-        hi, ti, oi = vc.index("head"), vc.index("tail"), vc.index("overflow")
+        hi, ti, oi, fi = (vc.index(f) for f in ("head", "tail", "overflow", "aflags"))
+        ami, aei = vc.index("ans_model"), vc.index("ans_ep")
         model_at = [vc.index(f"ring.{i}.model_id") for i in range(self._depth)]
+        ep_of = vc.index("ep")
         mask = self._depth - 1
-        out: dict[tuple[int, int], int] = {}
+        counts: dict[EndpointKey, list[int]] = {}
         for j, i in enumerate(busy):
             pause_point(j)
             (port,) = self._infl_port.unpack_from(keys, i * ks)
             v = vc.struct.unpack_from(values, i * vs)
-            head, tail, over = v[hi], v[ti], v[oi]
-            if over:
-                out[NO_MODEL, port] = out.get((NO_MODEL, port), 0) + over
-            for pos in range(head, head + min((tail - head) & 0xFFFFFFFF, self._depth)):
-                key = (v[model_at[pos & mask]], port)
-                out[key] = out.get(key, 0) + 1
-        return out
+            head, tail, over, flags = v[hi], v[ti], v[oi], v[fi]
+            eps = v[ep_of]
+            queued = [(v[model_at[pos & mask]], port, eps[pos & mask])
+                      for pos in range(head, head + min((tail - head) & 0xFFFFFFFF, self._depth))]
+            queued += [(0, port, 0)] * over
+            if flags & self._active and queued:
+                queued.pop(0)
+                streams, first = flags & self._streams, flags & self._first
+                key = (v[ami], port, v[aei])
+                counts.setdefault(key, [0, 0])[0 if streams and not first else 1] += 1
+            for key in queued:
+                counts.setdefault(key, [0, 0])[0] += 1
+        return {key: InFlight(*n) for key, n in counts.items()}
 
     def delete_flows(self, keys: Iterable[FlowKey]) -> None:
         """Deletes fingerprints (the reader expires idle ones) in one batch call."""

@@ -1,20 +1,24 @@
-"""Turning the probe maps into per-model load figures and the fingerprint report.
+"""The probes' maps as figures: per model, serving port and endpoint, over a sliding window.
 
-poll() (a worker thread, once a second) reads the maps, turns the kernel's cumulative
-counters into per-interval deltas, keeps the intervals of the sliding window, and builds a
-new immutable state that it publishes by swapping one reference. summary(), model_stats()
-and the other readers (the event loop) only return parts of that state: they never touch a
-map and never wait for poll(). report_json(), the whole report with a row per flow, is
-built from the state on first use (a few hundred milliseconds with 10,000 connections):
-call it from a worker thread. It writes the rows as JSON text, not as dicts: tens of
-thousands of dicts would bring on full collections, which stall every thread.
+FingerprintReader.poll() runs in a worker thread four times a second (the agent's view of
+its queue and latencies is never more than 250 ms old): it reads the maps, turns their
+cumulative counters into the deltas of one interval, keeps the intervals of the window
+(default 10 s) and their running sums, and publishes an immutable summary by swapping one
+reference. Readers on the event loop (summary(), model_stats(), latency_counts()) never
+touch a map. The flow table, the one map whose read grows with connections times CPUs, is
+read one poll in four, for the flows' expiry and the operator's dump.
 
-Per model and serving port (model_stats(), for the load snapshot): requests and status
-counts since the probes started come from the latency histograms (every recorded response
-is in exactly one bucket), rates, error and 429 ratios and percentiles from the window's
-deltas, requests in flight from the connection state map. The report has a row per model,
-its ports together, and a row per flow from the fingerprints map; flows idle for
-flow_idle_s are deleted from that map so it holds recent flows only.
+What the figures are (docs/probes.md has the wire side):
+- latencies per kind, from the request's first byte on the wire: ttfb (to the answer's
+  first byte), ttft (to a stream's first data: event; streams only), itl (between a
+  stream's events), e2e (to the answer's last byte); P50/P95/P99 over the window's
+  histograms, nearest rank, as bucket midpoints (within 3.1% of every value in the bucket);
+- requests and status counts since the probes started (from the ttfb histograms: every
+  answer has one), rps and error ratios over the window;
+- outcomes (complete, error, aborted, truncated, unanswered) since the start;
+- output tokens: a stream's data: events as they pass, replaced at the answer's end by its
+  usage object's count when one passed; tokens/s over the window;
+- waiting and running, from the connections' state at the last poll.
 """
 
 from __future__ import annotations
@@ -22,57 +26,110 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import deque
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from . import buckets
-from .maps import FlowKey, FlowTable, MapSnapshot, PortStats, format_endpoint
+from . import abi, buckets
+from .maps import (
+    EndpointKey,
+    FlowKey,
+    FlowTable,
+    HistKey,
+    InFlight,
+    MapSnapshot,
+    PortStats,
+    RequestStats,
+    format_endpoint,
+)
 from .model_id import NO_MODEL
 
-_EMPTY: Mapping[int, int] = MappingProxyType({})
 _NAN = float("nan")
-
-Endpoint = tuple[int, int]  # (model_id, serving port)
+KINDS = abi.names("LM_HK_", "LM_HK_COUNT")  # ("ttfb", "ttft", "itl", "e2e")
+ENDPOINTS = abi.endpoint_names()  # ("other", "chat", ...)
+OUTCOMES = abi.outcome_names()  # ("complete", "error", "aborted", ...)
+TTFB, TTFT, ITL, E2E = (KINDS.index(k) for k in ("ttfb", "ttft", "itl", "e2e"))
+EP_OTHER = ENDPOINTS.index("other")
+EP_EMBEDDINGS = ENDPOINTS.index("embeddings")
+QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
+# Polls between two reads of the flow table.
+FLOWS_EVERY = 4
 
 
 class MapSource(Protocol):
     """What the reader needs from a ProbeSet (tests pass fakes)."""
 
-    def read_maps(self) -> MapSnapshot: ...
+    def read_maps(self, with_flows: bool = True) -> MapSnapshot: ...
 
     def expire_flows(self, keys: list[FlowKey]) -> None: ...
 
 
 @dataclass(frozen=True)
+class Percentiles:
+    """P50/P95/P99 in ms over the window; NaN when the window holds no sample."""
+
+    p50: float = _NAN
+    p95: float = _NAN
+    p99: float = _NAN
+
+    def json(self) -> dict[str, float | None]:
+        return {name: _json_ms(getattr(self, name)) for name, _ in QUANTILES}
+
+
+_NONE = Percentiles()
+
+
+@dataclass(frozen=True)
 class ModelStats:
-    """One model's figures on one serving port (the load snapshot has an entry per
-    (model_id, port)); ratios and percentiles over the reader's window."""
+    """One model's figures on one serving port, its inference endpoints together (the
+    load snapshot has an entry per (model_id, port)); window figures over the reader's
+    window, counts since the probes started."""
 
     model: str
     model_id: int
     port: int
-    requests: int  # responses recorded since the probes started
+    requests: int  # answers since the probes started
     status: Mapping[int, int]  # since the probes started
     rps: float
-    error_ratio: float  # 5xx share
+    error_ratio: float  # 5xx answers and streams that carried an error event
     ratio_429: float
-    p50_ms: float  # NaN: no response in the window
+    p50_ms: float  # time to first byte; NaN: no answer in the window
     p95_ms: float
     p99_ms: float
-    in_flight: int
+    ttft: Percentiles
+    itl: Percentiles
+    e2e: Percentiles
+    waiting: int
+    running: int
+    tokens_per_s: float
+    output_tokens: int  # since the probes started
+    window_tokens: int  # output tokens in the window
+    mean_in_flight: float  # requests in flight on average over the window, embeddings aside
+
+    @property
+    def in_flight(self) -> int:
+        return self.waiting + self.running
+
+    @property
+    def ttft_p99_ms(self) -> float:
+        return self.ttft.p99
+
+    @property
+    def itl_p99_ms(self) -> float:
+        return self.itl.p99
 
 
 @dataclass(frozen=True)
 class LatencyCounts:
-    """One model's time-to-first-byte histogram since the probes started, all serving
-    ports and statuses together, at the bounds latency_counts() was asked for."""
+    """One model's and endpoint's histogram of one kind since the probes started, all
+    serving ports and statuses together, at the bounds latency_counts() was asked for."""
 
     model: str
-    cumulative: tuple[int, ...]  # responses under each bound's nearest bucket edge
+    endpoint: str
+    cumulative: tuple[int, ...]  # samples under each bound's nearest bucket edge
     count: int
     sum_s: float  # from bucket midpoints: within 1/32 of the true sum
 
@@ -83,9 +140,10 @@ class _Interval:
 
     start: float
     end: float
-    status: Mapping[Endpoint, Mapping[int, int]]  # -> status -> responses
-    buckets: Mapping[Endpoint, Mapping[int, int]]  # -> bucket -> responses
+    hist: Mapping[HistKey, int]
+    requests: Mapping[EndpointKey, RequestStats]
     ports: Mapping[int, PortStats]
+    flight: Mapping[tuple[int, int], int]  # (model, port) -> in flight at the end, sampled
 
 
 @dataclass
@@ -93,9 +151,9 @@ class _State:
     summary: dict[str, Any]  # the report without its flows
     models: tuple[ModelStats, ...]
     names: Mapping[int, str]
-    histograms: Mapping[tuple[int, int, int, int], int]  # the kernel's, since the start
+    histograms: Mapping[HistKey, int]  # the kernel's, since the start
     flows: FlowTable
-    wall_at_mono: float  # time.time() - time.monotonic() when the maps were read
+    wall_at_mono: float  # time.time() - time.monotonic() when the flows were read
     report: bytes | None = None  # summary and flows as JSON, built on first use
 
 
@@ -128,6 +186,51 @@ def _json_ms(ms: float) -> float | None:
     return None if math.isnan(ms) else ms
 
 
+def _percentiles(counts: Mapping[int, int]) -> Percentiles:
+    if not counts:
+        return _NONE
+    return Percentiles(*(_ms(buckets.percentile(counts, q)) for _, q in QUANTILES))
+
+
+def _add(target: dict[Any, int], key: Any, n: int) -> None:
+    v = target.get(key, 0) + n
+    if v:
+        target[key] = v
+    else:
+        target.pop(key, None)
+
+
+def counts_toward_load(key: EndpointKey) -> bool:
+    """Whether a (model, port, endpoint)'s requests are inference, part of the node's
+    load: the OpenAI endpoints and TGI's, and any other path whose body named a model.
+    Requests of neither kind (a scrape of the server's /metrics, a health check, a model
+    listing) never wait on a GPU."""
+    model, _port, endpoint = key
+    return endpoint != EP_OTHER or model != NO_MODEL
+
+
+class _Figures:
+    """Per (model, port, endpoint): the window's sums and the totals since the start."""
+
+    def __init__(self) -> None:
+        self.status: dict[int, int] = {}  # since the start
+        self.outcomes = [0] * len(OUTCOMES)  # since the start
+        self.events = 0  # data: events since the start
+        self.usage = RequestStats()  # since the start
+        self.window_status: dict[int, int] = {}
+        self.window_hist: list[dict[int, int]] = [{} for _ in KINDS]  # kind -> bucket -> n
+        self.window_errors = 0  # stream errors in the window
+        self.window_tokens = 0
+
+    @property
+    def output_tokens(self) -> int:
+        return self.events + self.usage.output_tokens - self.usage.usage_events
+
+
+def _tokens_of(stats: RequestStats) -> int:
+    return stats.output_tokens - stats.usage_events
+
+
 class FingerprintReader:
     def __init__(self, probes: MapSource, window_s: float = 10.0, *,
                  flow_idle_s: float = 30.0) -> None:
@@ -137,30 +240,39 @@ class FingerprintReader:
         self.window_s = window_s
         self.flow_idle_s = flow_idle_s
         self._last_poll = time.monotonic()
-        self._prev_hist: dict[tuple[int, int, int, int], int] = {}
+        self._polls = 0
+        self._prev_hist: dict[HistKey, int] = {}
+        self._prev_requests: dict[EndpointKey, RequestStats] = {}
         self._prev_ports: dict[int, PortStats] = {}
-        self._totals: dict[Endpoint, dict[int, int]] = {}  # -> status -> since start
+        self._figures: dict[EndpointKey, _Figures] = {}
         self._window: deque[_Interval] = deque()
+        self._window_ports: dict[int, list[int]] = {}
+        self._window_flight: dict[tuple[int, int], float] = {}  # (model, port) -> sum n dt
+        self._flows = FlowTable.of({})
+        self._flows_wall = 0.0
         empty = MapSnapshot(mono_ns=time.monotonic_ns())
-        self._state = _State(self._summary(empty, (), {}), (), MappingProxyType({}),
-                             MappingProxyType({}), empty.flows, 0.0)
+        self._state = _State(self._summary(empty, (), []), (), MappingProxyType({}),
+                             MappingProxyType({}), self._flows, 0.0)
 
     def poll(self, now: float) -> None:
         """Reads the maps and publishes new figures. now: time.monotonic() seconds.
         Blocking (map reads); call it from one worker thread at a time."""
-        snap = self._probes.read_maps()
-        interval = self._absorb(snap, now)
-        self._window.append(interval)
+        with_flows = self._polls % FLOWS_EVERY == 0
+        self._polls += 1
+        snap = self._probes.read_maps(with_flows)
+        if snap.flows is not None:
+            self._flows = snap.flows
+            self._flows_wall = time.time() - snap.mono_ns / 1e9
+            idle = snap.flows.idle(snap.mono_ns - int(self.flow_idle_s * 1e9))
+            if idle:
+                self._probes.expire_flows(idle)
+        self._push(self._absorb(snap, now))
         while self._window and self._window[0].end <= now - self.window_s:
-            self._window.popleft()
+            self._pop()
         models = self._model_stats(snap)
-        self._state = _State(self._summary(snap, models, self._port_rates()), models,
+        self._state = _State(self._summary(snap, models, self._rows(snap)), models,
                              MappingProxyType(dict(snap.models)),
-                             MappingProxyType(snap.histograms), snap.flows,
-                             time.time() - snap.mono_ns / 1e9)
-        idle = snap.flows.idle(snap.mono_ns - int(self.flow_idle_s * 1e9))
-        if idle:
-            self._probes.expire_flows(idle)
+                             MappingProxyType(snap.histograms), self._flows, self._flows_wall)
 
     def summary(self) -> dict[str, Any]:
         """The fingerprint report without its flows (JSON-ready, cheap). Shared: callers must
@@ -184,155 +296,237 @@ class FingerprintReader:
         """model_id -> name of every model the probes have seen."""
         return self._state.names
 
-    def latency_counts(self, bounds_s: Sequence[float]) -> tuple[LatencyCounts, ...]:
-        """Per model, by name, since the probes started: how many responses came within
-        each of bounds_s (ascending, in seconds), each bound taken at its nearest bucket
-        edge (nearest_edge_ns). For a Prometheus histogram; cheap enough to call from the
-        event loop on each scrape (one pass over the histogram entries in use)."""
+    def latency_counts(self, kind: str,
+                       bounds_s: Sequence[float]) -> tuple[LatencyCounts, ...]:
+        """Per model and endpoint, by name, since the probes started: how many samples of
+        one kind ("ttfb", "ttft", "itl", "e2e") came within each of bounds_s (ascending,
+        in seconds), each bound taken at its nearest bucket edge (nearest_edge_ns). For a
+        Prometheus histogram; cheap enough to call from the event loop on each scrape
+        (one pass over the histogram entries in use)."""
         state = self._state
+        k = KINDS.index(kind)
         edges = [nearest_edge_ns(b * 1e9) for b in bounds_s]
-        per_bound: dict[int, list[int]] = {}  # model_id -> responses first counted at bound i
-        sums: dict[int, float] = {}
-        for (model, _port, _status, bucket), n in state.histograms.items():
+        per_bound: dict[tuple[int, int], list[int]] = {}  # -> samples first counted at bound i
+        sums: dict[tuple[int, int], float] = {}
+        for (model, _port, endpoint, hk, _status, bucket), n in state.histograms.items():
+            if hk != k:
+                continue
             # A bucket is under an edge when its last value is: the first such bound is
             # where it starts to count; the final slot holds buckets above every bound.
             first = bisect_left(edges, buckets.bounds(bucket)[1])
-            slots = per_bound.setdefault(model, [0] * (len(edges) + 1))
+            key = (model, endpoint)
+            slots = per_bound.setdefault(key, [0] * (len(edges) + 1))
             slots[first] += n
-            sums[model] = sums.get(model, 0.0) + buckets.midpoint(bucket) * n
+            sums[key] = sums.get(key, 0.0) + buckets.midpoint(bucket) * n
         out = []
-        for model, slots in per_bound.items():
+        for key, slots in per_bound.items():
             running, cumulative = 0, []
             for n in slots[:-1]:
                 running += n
                 cumulative.append(running)
-            out.append(LatencyCounts(model_name(model, state.names), tuple(cumulative),
-                                     running + slots[-1], sums[model] / 1e9))
-        return tuple(sorted(out, key=lambda c: c.model))
+            out.append(LatencyCounts(model_name(key[0], state.names), ENDPOINTS[key[1]],
+                                     tuple(cumulative), running + slots[-1], sums[key] / 1e9))
+        return tuple(sorted(out, key=lambda c: (c.model, c.endpoint)))
 
     # ---- inside poll ----
 
     def _absorb(self, snap: MapSnapshot, now: float) -> _Interval:
-        status: dict[Endpoint, dict[int, int]] = {}
-        hist: dict[Endpoint, dict[int, int]] = {}
+        hist: dict[HistKey, int] = {}
         prev = self._prev_hist
         for key, count in snap.histograms.items():
             d = _delta(count, prev.get(key, 0))
-            if d <= 0:
-                continue
-            model, port, code, bucket = key
-            ep = (model, port)
-            s = status.setdefault(ep, {})
-            s[code] = s.get(code, 0) + d
-            b = hist.setdefault(ep, {})
-            b[bucket] = b.get(bucket, 0) + d
-            t = self._totals.setdefault(ep, {})
-            t[code] = t.get(code, 0) + d
+            if d > 0:
+                hist[key] = d
         self._prev_hist = dict(snap.histograms)
+        requests: dict[EndpointKey, RequestStats] = {}
+        for key, stats in snap.requests.items():
+            old = self._prev_requests.get(key, RequestStats())
+            d = RequestStats(*(_delta(c, p) for c, p in zip(stats, old)))
+            if any(d):
+                requests[key] = d
+        self._prev_requests = dict(snap.requests)
         ports = {}
         for port, stats in snap.ports.items():
             old = self._prev_ports.get(port, PortStats(0, 0, 0, 0, 0))
             ports[port] = PortStats(*(_delta(c, p) for c, p in zip(stats, old)))
         self._prev_ports = dict(snap.ports)
+        flight: dict[tuple[int, int], int] = {}
+        for key, f in snap.inflight.items():
+            if counts_toward_load(key) and key[2] != EP_EMBEDDINGS:
+                flight[key[:2]] = flight.get(key[:2], 0) + f.waiting + f.running
         start, self._last_poll = self._last_poll, now
-        return _Interval(start, now, status, hist, ports)
+        return _Interval(start, now, hist, requests, ports, flight)
+
+    def _fig(self, key: EndpointKey) -> _Figures:
+        fig = self._figures.get(key)
+        if fig is None:
+            fig = self._figures[key] = _Figures()
+        return fig
+
+    def _apply(self, iv: _Interval, sign: int) -> None:
+        """Adds an interval to the window's sums (sign 1) or takes it out (-1); adding
+        also counts it in the totals since the start."""
+        for (model, port, endpoint, kind, status, bucket), n in iv.hist.items():
+            fig = self._fig((model, port, endpoint))
+            _add(fig.window_hist[kind], bucket, sign * n)
+            if kind == TTFB:
+                _add(fig.window_status, status, sign * n)
+                if sign > 0:
+                    fig.status[status] = fig.status.get(status, 0) + n
+            elif kind in (TTFT, ITL):
+                fig.window_tokens += sign * n
+                if sign > 0:
+                    fig.events += n
+        for key, d in iv.requests.items():
+            fig = self._fig(key)
+            fig.window_errors += sign * d.error
+            fig.window_tokens += sign * _tokens_of(d)
+            if sign > 0:
+                for i, n in enumerate(d[:len(OUTCOMES)]):
+                    fig.outcomes[i] += n
+                fig.usage = RequestStats(*(a + b for a, b in zip(fig.usage, d)))
+        for port, d in iv.ports.items():
+            acc = self._window_ports.setdefault(port, [0] * len(PortStats._fields))
+            for i, v in enumerate(d):
+                acc[i] += sign * v
+        dt = iv.end - iv.start
+        for key, n in iv.flight.items():
+            v = self._window_flight.get(key, 0.0) + sign * n * dt
+            if v > 1e-9:
+                self._window_flight[key] = v
+            else:
+                self._window_flight.pop(key, None)
+
+    def _push(self, iv: _Interval) -> None:
+        self._window.append(iv)
+        self._apply(iv, 1)
+
+    def _pop(self) -> None:
+        self._apply(self._window.popleft(), -1)
 
     def _span(self) -> float:
         """Seconds the window's intervals cover."""
         return max(self._window[-1].end - self._window[0].start, 1e-3) if self._window else 0
 
     def _model_stats(self, snap: MapSnapshot) -> tuple[ModelStats, ...]:
-        status: dict[Endpoint, dict[int, int]] = {}
-        hist: dict[Endpoint, dict[int, int]] = {}
-        for iv in self._window:
-            for ep, counts in iv.status.items():
-                buckets.add_into(status.setdefault(ep, {}), counts)
-            for ep, counts in iv.buckets.items():
-                buckets.add_into(hist.setdefault(ep, {}), counts)
+        """Per (model, port): the endpoints that count toward the load, together."""
+        groups: dict[tuple[int, int], list[EndpointKey]] = {}
+        for key in set(self._figures) | set(snap.inflight):
+            if counts_toward_load(key):
+                groups.setdefault(key[:2], []).append(key)
         span = self._span()
-        seen = set(self._totals) | {ep for ep, n in snap.inflight.items() if n}
         out = []
-        for ep in sorted(seen, key=lambda ep: (model_name(ep[0], snap.models), ep[1])):
-            model, port = ep
-            win = status.get(ep, {})
-            n = sum(win.values())
-            h = hist.get(ep, _EMPTY)
-            totals = self._totals.get(ep, {})
+        for (model, port), keys in sorted(groups.items(), key=lambda kv: (
+                model_name(kv[0][0], snap.models), kv[0][1])):
+            figs = [self._figures[k] for k in keys if k in self._figures]
+            status: dict[int, int] = {}
+            window: dict[int, int] = {}
+            hist: list[dict[int, int]] = [{} for _ in KINDS]
+            errors = tokens = 0
+            for f in figs:
+                buckets.add_into(status, f.status)
+                buckets.add_into(window, f.window_status)
+                for kind, counts in enumerate(f.window_hist):
+                    buckets.add_into(hist[kind], counts)
+                errors += f.window_errors
+                tokens += f.window_tokens
+            n = sum(window.values())
+            fives = sum(c for s, c in window.items() if 500 <= s <= 599)
+            flight = [snap.inflight.get(k, InFlight(0, 0)) for k in keys]
+            ttfb = _percentiles(hist[TTFB])
             out.append(ModelStats(
                 model=model_name(model, snap.models),
                 model_id=model,
                 port=port,
-                requests=sum(totals.values()),
-                status=MappingProxyType(dict(totals)),
+                requests=sum(status.values()),
+                status=MappingProxyType(status),
                 rps=n / span if span else 0.0,
-                error_ratio=sum(c for s, c in win.items() if 500 <= s <= 599) / n if n else 0.0,
-                ratio_429=win.get(429, 0) / n if n else 0.0,
-                p50_ms=_ms(buckets.percentile(h, 0.50)),
-                p95_ms=_ms(buckets.percentile(h, 0.95)),
-                p99_ms=_ms(buckets.percentile(h, 0.99)),
-                in_flight=snap.inflight.get(ep, 0),
+                error_ratio=min(1.0, (fives + errors) / n) if n else 0.0,
+                ratio_429=window.get(429, 0) / n if n else 0.0,
+                p50_ms=ttfb.p50,
+                p95_ms=ttfb.p95,
+                p99_ms=ttfb.p99,
+                ttft=_percentiles(hist[TTFT]),
+                itl=_percentiles(hist[ITL]),
+                e2e=_percentiles(hist[E2E]),
+                waiting=sum(f.waiting for f in flight),
+                running=sum(f.running for f in flight),
+                tokens_per_s=max(0.0, tokens / span) if span else 0.0,
+                output_tokens=sum(f.output_tokens for f in figs),
+                window_tokens=max(0, tokens),
+                mean_in_flight=self._window_flight.get((model, port), 0.0) / span if span else 0.0,
             ))
         return tuple(out)
 
-    def _per_model(self, models: tuple[ModelStats, ...]) -> list[dict[str, Any]]:
-        """The report's rows: one per model, its serving ports together."""
-        window: dict[int, dict[int, int]] = {}
-        for iv in self._window:
-            for (model, _port), counts in iv.buckets.items():
-                buckets.add_into(window.setdefault(model, {}), counts)
-        rows: dict[int, dict[str, Any]] = {}
-        for m in models:
-            row = rows.get(m.model_id)
-            if row is None:
-                row = rows[m.model_id] = {"model": m.model, "requests": 0, "status": {},
-                                          "rps": 0.0, "inflight": 0, "ports": [],
-                                          "_errors": 0.0, "_429": 0.0}
-            row["requests"] += m.requests
-            for code, n in m.status.items():
-                row["status"][str(code)] = row["status"].get(str(code), 0) + n
-            row["rps"] += m.rps
-            row["inflight"] += m.in_flight
-            row["ports"].append(m.port)
-            row["_errors"] += m.error_ratio * m.rps
-            row["_429"] += m.ratio_429 * m.rps
-        out = []
-        for model, row in rows.items():
-            h = window.get(model, _EMPTY)
-            rps = row.pop("rps")
-            errors, r429 = row.pop("_errors"), row.pop("_429")
-            out.append({
-                **row,
-                "status": dict(sorted(row["status"].items())),
-                "rps": round(rps, 3),
-                "p50_ms": _json_ms(_ms(buckets.percentile(h, 0.50))),
-                "p95_ms": _json_ms(_ms(buckets.percentile(h, 0.95))),
-                "p99_ms": _json_ms(_ms(buckets.percentile(h, 0.99))),
-                "error_ratio": round(errors / rps, 4) if rps else 0.0,
-                "ratio_429": round(r429 / rps, 4) if rps else 0.0,
+    def _rows(self, snap: MapSnapshot) -> list[dict[str, Any]]:
+        """The report's rows: one per model and endpoint, its serving ports together."""
+        groups: dict[tuple[int, int], list[EndpointKey]] = {}
+        for key in set(self._figures) | set(snap.inflight):
+            groups.setdefault((key[0], key[2]), []).append(key)
+        span = self._span()
+        rows = []
+        for (model, endpoint), keys in groups.items():
+            figs = [self._figures[k] for k in keys if k in self._figures]
+            status: dict[int, int] = {}
+            window: dict[int, int] = {}
+            hist: list[dict[int, int]] = [{} for _ in KINDS]
+            outcomes = [0] * len(OUTCOMES)
+            errors = tokens = 0
+            for f in figs:
+                buckets.add_into(status, f.status)
+                buckets.add_into(window, f.window_status)
+                for kind, counts in enumerate(f.window_hist):
+                    buckets.add_into(hist[kind], counts)
+                outcomes = [a + b for a, b in zip(outcomes, f.outcomes)]
+                errors += f.window_errors
+                tokens += f.window_tokens
+            flight = [snap.inflight.get(k, InFlight(0, 0)) for k in keys]
+            waiting = sum(f.waiting for f in flight)
+            running = sum(f.running for f in flight)
+            n = sum(window.values())
+            fives = sum(c for s, c in window.items() if 500 <= s <= 599)
+            latency = {kind: _percentiles(hist[i]) for i, kind in enumerate(KINDS)}
+            ttfb = latency["ttfb"].json()
+            rows.append({
+                "model": model_name(model, snap.models),
+                "endpoint": ENDPOINTS[endpoint],
+                "ports": sorted(k[1] for k in keys),
+                "requests": sum(status.values()),
+                "status": {str(s): c for s, c in sorted(status.items())},
+                "outcomes": dict(zip(OUTCOMES, outcomes)),
+                "rps": round(n / span, 3) if span else 0.0,
+                "p50_ms": ttfb["p50"],
+                "p95_ms": ttfb["p95"],
+                "p99_ms": ttfb["p99"],
+                "latency": {kind: p.json() for kind, p in latency.items()},
+                "error_ratio": round(min(1.0, (fives + errors) / n), 4) if n else 0.0,
+                "ratio_429": round(window.get(429, 0) / n, 4) if n else 0.0,
+                "inflight": waiting + running,
+                "waiting": waiting,
+                "running": running,
+                "aborted": outcomes[OUTCOMES.index("aborted")],
+                "output_tokens": sum(f.output_tokens for f in figs),
+                "prompt_tokens": sum(f.usage.prompt_tokens for f in figs),
+                "tokens_per_s": round(max(0.0, tokens / span), 3) if span else 0.0,
             })
-        return out
+        return sorted(rows, key=lambda r: (r["model"], r["endpoint"]))
 
     def _port_rates(self) -> dict[int, dict[str, float]]:
-        if not self._window:
+        span = self._span()
+        if not span:
             return {}
-        span = max(self._window[-1].end - self._window[0].start, 1e-3)
-        sums: dict[int, list[int]] = {}
-        for iv in self._window:
-            for port, d in iv.ports.items():
-                acc = sums.setdefault(port, [0] * len(PortStats._fields))
-                for i, v in enumerate(d):
-                    acc[i] += v
         return {port: {f"{f}_per_s": round(v / span, 3) for f, v in zip(PortStats._fields, acc)}
-                for port, acc in sums.items()}
+                for port, acc in self._window_ports.items()}
 
     def _summary(self, snap: MapSnapshot, models: tuple[ModelStats, ...],
-                 port_rates: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
+                 rows: list[dict[str, Any]]) -> dict[str, Any]:
+        rates = self._port_rates()
         return {
             "window_s": self.window_s,
-            "models": self._per_model(models),
-            "flow_count": len(snap.flows),
+            "models": rows,
+            "flow_count": len(self._flows),
             "errors": dict(snap.errors),
-            "tcp": {str(port): {**stats._asdict(), **port_rates.get(port, {})}
+            "tcp": {str(port): {**stats._asdict(), **rates.get(port, {})}
                     for port, stats in sorted(snap.ports.items())},
         }
 

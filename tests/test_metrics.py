@@ -25,16 +25,18 @@ from conftest import agent_config
 from daemon.client import ApiError, Client
 from daemon.collectors.gpu import GpuInfo
 from daemon.health import Health, State
-from daemon.metrics import TTFB_BUCKETS_S, AgentCollector
+from daemon.metrics import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, AgentCollector
 from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot
 from gossip.snapshot import State as NodeState
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
-from probes import buckets
+from probes import abi, buckets
 from probes.maps import MapSnapshot
 from probes.model_id import model_id
 from probes.reader import FingerprintReader, nearest_edge_ns
 
 MS = 1_000_000
+TTFB, E2E = abi.const("LM_HK_TTFB"), abi.const("LM_HK_E2E")
+CHAT = abi.const("LM_EP_CHAT")
 LES = ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75",
        "1.0", "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "160.0", "640.0", "2560.0"]
 
@@ -48,12 +50,14 @@ def promtool_check(text: str) -> None:
 
 
 class Maps:
-    """A MapSource holding given histogram counts (model, port, status, bucket) -> n."""
+    """A MapSource holding given histogram counts (model, port, endpoint, kind, status,
+    bucket) -> n."""
 
-    def __init__(self, hist: dict[tuple[int, int, int, int], int], names: dict[int, str]) -> None:
+    def __init__(self, hist: dict[tuple[int, int, int, int, int, int], int],
+                 names: dict[int, str]) -> None:
         self.hist, self.names = hist, names
 
-    def read_maps(self) -> MapSnapshot:
+    def read_maps(self, with_flows: bool = True) -> MapSnapshot:
         return MapSnapshot(mono_ns=time.monotonic_ns(), histograms=dict(self.hist),
                            models=dict(self.names))
 
@@ -73,10 +77,11 @@ def test_each_bound_moves_to_the_nearest_bucket_edge_at_most_1_in_32_away() -> N
 def test_latency_counts_are_cumulative_per_model_at_the_edges() -> None:
     llama, qwen = model_id("llama"), model_id("qwen")
 
-    hist: dict[tuple[int, int, int, int], int] = {}
+    hist: dict[tuple[int, int, int, int, int, int], int] = {}
 
-    def at(model: int, ns: int, n: int, port: int = 8000, status: int = 200) -> None:
-        key = (model, port, status, buckets.index(ns))
+    def at(model: int, ns: int, n: int, port: int = 8000, status: int = 200,
+           kind: int = TTFB) -> None:
+        key = (model, port, CHAT, kind, status, buckets.index(ns))
         hist[key] = hist.get(key, 0) + n
 
     at(llama, 990_000, 2)               # 0.99 ms: under 1 ms
@@ -85,18 +90,22 @@ def test_latency_counts_are_cumulative_per_model_at_the_edges() -> None:
     at(llama, 300 * MS, 3, status=503)
     at(llama, 3000 * 10**9, 1)          # past 2**40 ns: clamped, counted under 2560 s only
     at(qwen, 30 * MS, 5)
+    at(qwen, 30 * MS, 9, kind=E2E)  # another kind: another histogram
     reader = FingerprintReader(Maps(hist, {llama: "llama", qwen: "qwen"}))
     reader.poll(time.monotonic())
-    got = {c.model: c for c in reader.latency_counts(TTFB_BUCKETS_S)}
+    got = {c.model: c for c in reader.latency_counts("ttfb", TTFT_BUCKETS_S)}
+    assert {c.endpoint for c in got.values()} == {"chat"}
     assert set(got) == {"llama", "qwen"}
-    by_le = dict(zip(TTFB_BUCKETS_S, got["llama"].cumulative, strict=True))
+    by_le = dict(zip(TTFT_BUCKETS_S, got["llama"].cumulative, strict=True))
     assert by_le[0.001] == 3 and by_le[0.005] == 4
     assert by_le[0.25] == 4 and by_le[0.5] == 7 and by_le[640.0] == 7 and by_le[2560.0] == 8
     assert got["llama"].count == 8
     true_sum = (2 * 0.99e-3 + 1.01e-3 + 1.02e-3 + 3 * 0.3 + ((1 << 40) - 1) / 1e9)
     assert got["llama"].sum_s == pytest.approx(true_sum, rel=1 / 32)
-    qwen_le = dict(zip(TTFB_BUCKETS_S, got["qwen"].cumulative, strict=True))
+    qwen_le = dict(zip(TTFT_BUCKETS_S, got["qwen"].cumulative, strict=True))
     assert qwen_le[0.02] == 0 and qwen_le[0.04] == 5 and got["qwen"].count == 5
+    (e2e,) = reader.latency_counts("e2e", E2E_BUCKETS_S)
+    assert (e2e.model, e2e.count) == ("qwen", 9)
 
 
 def _agent_view() -> SimpleNamespace:
@@ -109,9 +118,18 @@ def _agent_view() -> SimpleNamespace:
         gpus=(GpuLoad(0, 97, 2048, 81920, 70, 300, 700, 0, 2, True),
               GpuLoad(1, 0, 0, 0, 0, 0, 0, 0, 0, False)),
         models=())
-    report = {"models": [{"model": "llama", "status": {"200": 7, "503": 2}, "inflight": 3}],
-              "errors": {"hist_full": 1, "abandoned": 0}}
-    ttfb = SimpleNamespace(model="llama", cumulative=tuple(range(1, 23)), count=30, sum_s=4.5)
+    report = {"models": [{"model": "llama", "endpoint": "chat", "status": {"200": 7, "503": 2},
+                          "outcomes": {"complete": 8, "aborted": 1}, "output_tokens": 640,
+                          "prompt_tokens": 90, "waiting": 2, "running": 1, "inflight": 3}],
+              "errors": {"hist_full": 1, "event_cut": 0}}
+    bounds = {len(TTFT_BUCKETS_S): "ttft", len(ITL_BUCKETS_S): "itl", len(E2E_BUCKETS_S): "e2e"}
+
+    def latency_counts(kind: str, edges: tuple[float, ...]) -> list[SimpleNamespace]:
+        assert bounds[len(edges)] in (kind, "ttft")  # ttfb takes the ttft buckets
+        n = {"ttfb": 30, "ttft": 20, "itl": 600, "e2e": 25}[kind]
+        return [SimpleNamespace(model="llama", endpoint="chat",
+                                cumulative=tuple(range(1, len(edges) + 1)), count=n, sum_s=4.5)]
+
     peers = [{"node_id": "n1", "state": "alive"}, {"node_id": "n2", "state": "alive"},
              {"node_id": "n3", "state": "suspect"}]
     counters = {"datagrams_sent": 10, "bytes_sent": 1400, "datagrams_received": 9,
@@ -119,7 +137,7 @@ def _agent_view() -> SimpleNamespace:
     component = SimpleNamespace(name="probes", health=lambda: Health(State.DEGRADED, "x"))
     return SimpleNamespace(
         node_id="n1", version="0.1.0", components=[component],
-        probes=SimpleNamespace(summary=lambda: report, latency_counts=lambda bounds: [ttfb]),
+        probes=SimpleNamespace(summary=lambda: report, latency_counts=latency_counts),
         gpu=SimpleNamespace(devices=(GpuInfo(0, "GPU-aaa", "H100"), GpuInfo(1, "GPU-bbb", "H100"))),
         snapshot=SimpleNamespace(current=snap),
         gossip=SimpleNamespace(service=SimpleNamespace(peers=lambda: peers,
@@ -156,13 +174,26 @@ def test_every_family_reads_the_agents_state_in_base_units() -> None:
     # An unhealthy GPU says so, and nothing else: its zeros are not measurements.
     assert value(s, "loadmesh_gpu_healthy", gpu="1", uuid="GPU-bbb") == 0
     assert value(s, "loadmesh_gpu_temperature_celsius", gpu="1", uuid="GPU-bbb") is None
-    assert value(s, "loadmesh_requests_total", model="llama", code="503") == 2
-    assert value(s, "loadmesh_requests_in_flight", model="llama") == 3
+    llama = {"model": "llama", "endpoint": "chat"}
+    assert value(s, "loadmesh_requests_total", code="503", **llama) == 2
+    assert value(s, "loadmesh_request_outcomes_total", outcome="aborted", **llama) == 1
+    assert value(s, "loadmesh_output_tokens_total", **llama) == 640
+    assert value(s, "loadmesh_prompt_tokens_total", **llama) == 90
+    assert value(s, "loadmesh_requests_waiting", **llama) == 2
+    assert value(s, "loadmesh_requests_running", **llama) == 1
+    assert value(s, "loadmesh_requests_in_flight", **llama) == 3
     buckets_seen = {dict(labels)["le"]: v for (name, labels), v in s.items()
                     if name == "loadmesh_time_to_first_byte_seconds_bucket"}
     assert buckets_seen == {**dict(zip(LES, range(1, 23), strict=True)), "+Inf": 30}
-    assert value(s, "loadmesh_time_to_first_byte_seconds_count", model="llama") == 30
-    assert value(s, "loadmesh_time_to_first_byte_seconds_sum", model="llama") == 4.5
+    assert value(s, "loadmesh_time_to_first_byte_seconds_count", **llama) == 30
+    assert value(s, "loadmesh_time_to_first_byte_seconds_sum", **llama) == 4.5
+    for family, n, edges in (("time_to_first_token", 20, TTFT_BUCKETS_S),
+                             ("inter_token_latency", 600, ITL_BUCKETS_S),
+                             ("request_duration", 25, E2E_BUCKETS_S)):
+        assert value(s, f"loadmesh_{family}_seconds_count", **llama) == n
+        les = {dict(labels)["le"] for (name, labels), _ in s.items()
+               if name == f"loadmesh_{family}_seconds_bucket"}
+        assert les == {*(str(float(b)) for b in edges), "+Inf"}
     assert value(s, "loadmesh_probe_errors_total", reason="hist_full") == 1
     # Peers are the other nodes: this one is not its own peer.
     assert value(s, "loadmesh_peers", state="alive") == 1
@@ -182,7 +213,7 @@ def test_every_family_reads_the_agents_state_in_base_units() -> None:
 
 def test_the_documented_bucket_table_matches_the_code() -> None:
     doc = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
-    for bound in TTFB_BUCKETS_S:
+    for bound in sorted({*TTFT_BUCKETS_S, *ITL_BUCKETS_S, *E2E_BUCKETS_S}):
         edge_s = nearest_edge_ns(bound * 1e9) / 1e9
         assert f"| {bound:g} | {edge_s:.6g} |" in doc, f"docs/operations.md: bound {bound:g}"
 
@@ -211,6 +242,8 @@ def test_a_real_scrape_passes_promtool_and_counts_real_traffic(make_agent, run_d
                                         metrics=metrics_config(port)))
         agent.start().wait_ready(sock)
         url = f"http://{topo.ns_v4}:8000/v1/completions"
+        fast = {"model": "m-fast", "endpoint": "completions"}
+        slow = {"model": "m-slow", "endpoint": "completions"}
         for status in [200] * 5 + [503] * 2:
             _post(url, "m-fast", status, 0)
         for _ in range(3):
@@ -218,8 +251,8 @@ def test_a_real_scrape_passes_promtool_and_counts_real_traffic(make_agent, run_d
 
         def counted() -> bool:
             s = samples(scrape(port))
-            return (value(s, "loadmesh_time_to_first_byte_seconds_count", model="m-fast") == 7
-                    and value(s, "loadmesh_time_to_first_byte_seconds_count", model="m-slow") == 3)
+            return (value(s, "loadmesh_time_to_first_byte_seconds_count", **fast) == 7
+                    and value(s, "loadmesh_time_to_first_byte_seconds_count", **slow) == 3)
 
         wait_for(counted, what="the probes to count 10 responses")
         with Client(sock) as client:
@@ -229,15 +262,17 @@ def test_a_real_scrape_passes_promtool_and_counts_real_traffic(make_agent, run_d
         text = scrape(port)
         promtool_check(text)
         s = samples(text)
-        assert value(s, "loadmesh_requests_total", model="m-fast", code="200") == 5
-        assert value(s, "loadmesh_requests_total", model="m-fast", code="503") == 2
-        assert value(s, "loadmesh_requests_total", model="m-slow", code="200") == 3
-        slow = {le: value(s, "loadmesh_time_to_first_byte_seconds_bucket", model="m-slow", le=le)
-                for le in ("0.25", "0.5", "+Inf")}
-        assert slow == {"0.25": 0, "0.5": 3, "+Inf": 3}  # 300 ms: between 0.2517 and 0.5033
-        assert value(s, "loadmesh_time_to_first_byte_seconds_bucket", model="m-fast", le="0.25") == 7
+        assert value(s, "loadmesh_requests_total", code="200", **fast) == 5
+        assert value(s, "loadmesh_requests_total", code="503", **fast) == 2
+        assert value(s, "loadmesh_requests_total", code="200", **slow) == 3
+        assert value(s, "loadmesh_request_outcomes_total", outcome="complete", **slow) == 3
+        slow_le = {le: value(s, "loadmesh_time_to_first_byte_seconds_bucket", le=le, **slow)
+                   for le in ("0.25", "0.5", "+Inf")}
+        assert slow_le == {"0.25": 0, "0.5": 3, "+Inf": 3}  # 300 ms: between 0.2517 and 0.5033
+        assert value(s, "loadmesh_time_to_first_byte_seconds_bucket", le="0.25", **fast) == 7
+        assert value(s, "loadmesh_request_duration_seconds_count", **slow) == 3
         # Three times 300 ms and a little, each taken at its bucket's midpoint (1/32 off at most).
-        slow_sum = value(s, "loadmesh_time_to_first_byte_seconds_sum", model="m-slow")
+        slow_sum = value(s, "loadmesh_time_to_first_byte_seconds_sum", **slow)
         assert slow_sum is not None and 0.9 * 31 / 32 <= slow_sum < 1.5
         assert value(s, "loadmesh_component_state", component="probes", state="ok") == 1
         assert value(s, "loadmesh_route_decisions_total", outcome="routed",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import nettopo
-from probes import MapSizes, ProbeSet, ProbeUnavailable, loader
+from probes import MapSizes, ProbeSet, ProbeUnavailable, abi, loader
 from probes.model_id import model_id
 
 pytestmark = pytest.mark.root
@@ -54,7 +54,8 @@ def post(host: str, port: int, model: str) -> int:
 
 def responses(probes: ProbeSet, model: str) -> int:
     mid = model_id(model)
-    return sum(n for (m, _p, _s, _b), n in probes.read_maps().histograms.items() if m == mid)
+    return sum(n for (m, _p, _e, kind, _s, _b), n in probes.read_maps().histograms.items()
+               if m == mid and kind == abi.const("LM_HK_TTFB"))
 
 
 @pytest.fixture
@@ -236,39 +237,6 @@ def test_port_list_changes_without_recompile_and_pause_keeps_counts(
         finally:
             probes.stop()
     assert ours(topo.host_if, "ingress") == ours(topo.host_if, "egress") == []
-
-
-def test_falls_back_to_the_tail_call_entry_when_refused(topo: nettopo.VethTopo,
-                                                        monkeypatch: pytest.MonkeyPatch,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
-    real = ProbeSet._prog
-    refused: list[str] = []
-
-    def refuse_once(self: ProbeSet, name: str) -> object:
-        if not refused:
-            refused.append(name)
-            raise ProbeUnavailable("BPF not supported: Argument list too long")
-        return real(self, name)
-
-    monkeypatch.setattr(ProbeSet, "_prog", refuse_once)
-    with topo.ns.popen(SERVER + ["--port", "8001"], ready="ready"):
-        probes = ProbeSet([topo.host_if], [8001])
-        probes.start()
-        try:
-            assert "LM_ENTRY_TAILCALL" in caplog.text
-            # pipelined, so both directions take several tail-called steps
-            body = b'{"model": "tailcall", "messages": []}'
-            one = (b"POST / HTTP/1.1\r\nHost: t\r\nX-Hold: 1\r\nContent-Length: %d\r\n\r\n%s"
-                   % (len(body), body))
-            last = one.replace(b"X-Hold: 1\r\n", b"Connection: close\r\n")
-            with socket.create_connection((topo.ns_v4, 8001), timeout=10) as s:
-                s.sendall(one * 3 + last)
-                assert s.makefile("rb").read().count(b"HTTP/1.1 200") == 4
-            time.sleep(0.05)
-            assert responses(probes, "tailcall") == 4
-        finally:
-            probes.stop()
-    assert ours(topo.host_if, "ingress") == []
 
 
 def test_falls_back_to_cls_bpf_filters_without_tcx(topo: nettopo.VethTopo,

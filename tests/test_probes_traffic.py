@@ -134,10 +134,16 @@ class Client:
 
 # ---- reading the probes ----
 
-def by_model(snap: MapSnapshot) -> dict[tuple[int, int], int]:
+TTFB, E2E = abi.const("LM_HK_TTFB"), abi.const("LM_HK_E2E")
+CHAT = abi.const("LM_EP_CHAT")
+
+
+def by_model(snap: MapSnapshot, kind: int = TTFB) -> dict[tuple[int, int], int]:
+    """Samples of one kind per (model, status): with ttfb, answers."""
     out: dict[tuple[int, int], int] = {}
-    for (mid, _port, status, _bucket), n in snap.histograms.items():
-        out[mid, status] = out.get((mid, status), 0) + n
+    for (mid, _port, _ep, k, status, _bucket), n in snap.histograms.items():
+        if k == kind:
+            out[mid, status] = out.get((mid, status), 0) + n
     return out
 
 
@@ -206,7 +212,13 @@ def test_counts_per_model_and_status_are_exact(env: Env) -> None:
         if name in ("count-a", "count-b"):
             rows[name, status] = rows.get((name, status), 0) + stats[0]
     assert rows == expected
-    assert snap.inflight.get((model_id("count-a"), PORT), 0) == 0
+    assert (model_id("count-a"), PORT, CHAT) not in snap.inflight
+    # every answer also ended where its framing said: one e2e sample each
+    e2e = by_model(snap, E2E)
+    b0 = by_model(counts.before, E2E)
+    names = dict(snap.models)
+    assert {(names[m], s): n - b0.get((m, s), 0) for (m, s), n in e2e.items()
+            if names.get(m) in ("count-a", "count-b")} == expected
     assert counts.errors(snap) == {}
 
 
@@ -220,13 +232,13 @@ def test_requests_in_flight_are_counted_per_model_until_answered(env: Env) -> No
         other.send(b"".join(request("inflight-b", delay_ms=1500)))
         time.sleep(0.5)
         waiting = env.probes.read_maps().inflight
-        assert waiting.get((model_id("inflight-a"), PORT)) == 2
-        assert waiting.get((model_id("inflight-b"), PORT)) == 1
+        assert waiting.get((model_id("inflight-a"), PORT, CHAT)) == (2, 0)
+        assert waiting.get((model_id("inflight-b"), PORT, CHAT)) == (1, 0)
         assert [slow.response()[0], slow.response()[0], other.response()[0]] == [200] * 3
         time.sleep(0.05)
         done = env.probes.read_maps().inflight
-        assert done.get((model_id("inflight-a"), PORT), 0) == 0
-        assert done.get((model_id("inflight-b"), PORT), 0) == 0
+        assert (model_id("inflight-a"), PORT, CHAT) not in done
+        assert (model_id("inflight-b"), PORT, CHAT) not in done
     finally:
         slow.close()
         other.close()
@@ -272,7 +284,8 @@ def test_kernel_buckets_are_the_python_buckets(env: Env) -> None:
         snap = env.probes.read_maps()
         mid = model_id(model)
         (lat_max,) = [v[2] for k, v in snap.flows.items() if k[4] == mid]
-        (bucket,) = [b for (m, port, _s, b) in snap.histograms if m == mid and port == PORT]
+        (bucket,) = [b for (m, port, _ep, k, _s, b) in snap.histograms
+                     if m == mid and port == PORT and k == TTFB]
         assert bucket == buckets.index(lat_max)
         assert lat_max >= delay * 1_000_000
 
@@ -459,14 +472,18 @@ def test_model_after_long_messages_is_found_in_the_body_tail(env: Env) -> None:
     client.send(b"".join(request(None, body=openai_python_body(m, 9_000))[0]
                          + openai_python_body(m, 9_000) for m in ("tail-d", "tail-e")))
     assert [client.response()[0] for _ in range(2)] == [200, 200]
-    # "model" in the middle of a long body, beyond both ends' limits: no model
+    # "model" in the middle of a long body: openai-python 1.x with tools
     middle = openai_python_body("middle", 5_000, tools=[{"description": "t" * 5_000}])
     assert client.call(None, body=middle)[0] == 200
+    # ... and beyond both ends' limits: no model, counted as such
+    beyond = openai_python_body("beyond", limit + 500, tools=[{"description": "t" * limit}])
+    assert client.call(None, body=beyond)[0] == 200
     assert client.call("after-the-tails")[0] == 200  # the connection's state recovered
     client.close()
     got, snap = counts.after()
     assert got == {("tail-a", 200): 1, ("tail-b", 200): 1, ("tail-c", 200): 1, ("tail-d", 200): 1,
-                   ("tail-e", 200): 1, ("-", 200): 1, ("after-the-tails", 200): 1}
+                   ("tail-e", 200): 1, ("middle", 200): 1, ("-", 200): 1,
+                   ("after-the-tails", 200): 1}
     assert counts.errors(snap) == {"scan_gave_up": 1}
 
 
@@ -515,7 +532,7 @@ def test_model_beyond_the_limits_counts_as_no_model(env: Env) -> None:
     long_name = "x" * (env.probes.scan_limit + 100)  # longer than the scan limit itself
     assert client.call(long_name)[0] == 200
     # "model" beyond the limit in a chunked body, whose end the probe cannot know
-    late = openai_python_body("too-late", 3000)
+    late = openai_python_body("too-late", env.probes.scan_limit + 500)
     head, _ = request(None, body=late, extra={"Transfer-Encoding": "chunked"})
     head = head.replace(b"Content-Length: %d\r\n" % len(late), b"")
     client.send(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(late), late))
@@ -555,15 +572,20 @@ def test_expect_100_continue_counts_the_final_answer(env: Env) -> None:
 
 def test_abandoned_requests_and_tcp_events(env: Env) -> None:
     counts = Counts(env.probes)
-    for _ in range(3):
+    for reset in (True, True, False):
         client = Client(env.topo.ns_v4)
         client.send(b"".join(request("abandoned", delay_ms=300)))
         time.sleep(0.05)
-        client.close(reset=True)  # the client gives up: RST with a request outstanding
+        client.close(reset=reset)  # the client gives up: RST (or FIN) with a request out
     time.sleep(0.4)
     got, snap = counts.after()
     assert got == {}
-    assert counts.errors(snap) == {"abandoned": 3}
+    assert counts.errors(snap) == {}
+    # counted under their model, as aborted: no answer began before the client left
+    key = (model_id("abandoned"), PORT, CHAT)
+    ended = snap.requests[key]._replace(aborted=snap.requests[key].aborted - (
+        counts.before.requests[key].aborted if key in counts.before.requests else 0))
+    assert (ended.complete, ended.aborted, ended.unanswered) == (0, 3, 0)
     before, after = counts.before.ports.get(PORT), snap.ports[PORT]
     accepted = after.conns_accepted - (before.conns_accepted if before else 0)
     resets = after.resets_received - (before.resets_received if before else 0)
@@ -595,7 +617,8 @@ try:
     client.close()
     subprocess.run(["nft", "delete table inet lmdrop"], check=True)
     after = probes.read_maps()
-    counted = sum(n - before.histograms.get(k, 0) for k, n in after.histograms.items())
+    counted = sum(n - before.histograms.get(k, 0) for k, n in after.histograms.items()
+                  if k[3] == 0)  # time to first byte: one sample per answer
     print(json.dumps({{"counted": counted,
                        "errors": {{k: v for k, v in after.errors.items() if v}},
                        "retransmits": after.ports[{port}].retransmits}}))
@@ -648,7 +671,8 @@ try:
     s.close()
     time.sleep(0.05)
     snap = probes.read_maps()
-    n = sum(v for (m, _p, _s, _b), v in snap.histograms.items() if m == model_id("loop"))
+    n = sum(v for (m, _p, _e, k, _s, _b), v in snap.histograms.items()
+            if m == model_id("loop") and k == 0)
     print(json.dumps({{"counted": n, "filters": len(probes.attachments)}}))
 finally:
     probes.stop()

@@ -10,14 +10,17 @@ from typing import Any
 
 import pytest
 
-from probes import FingerprintReader, buckets
+from probes import FingerprintReader, abi, buckets
+from probes.maps import FlowKey, FlowTable, InFlight, MapSnapshot, PortStats, RequestStats, ip_bytes
 from probes.model_id import model_id
-from probes.maps import FlowKey, FlowTable, MapSnapshot, PortStats, ip_bytes
+from probes.reader import FLOWS_EVERY
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 QWEN = "Qwen/Qwen2.5-7B"
 L, Q = model_id(LLAMA), model_id(QWEN)
 MS = 1_000_000
+TTFB, TTFT, ITL, E2E = (abi.const(f"LM_HK_{k}") for k in ("TTFB", "TTFT", "ITL", "E2E"))
+CHAT, EMBEDDINGS, OTHER = (abi.const(f"LM_EP_{k}") for k in ("CHAT", "EMBEDDINGS", "OTHER"))
 
 
 class FakeProbes:
@@ -25,24 +28,31 @@ class FakeProbes:
 
     def __init__(self) -> None:
         self.mono_ns = 10**12
-        self.hist: dict[tuple[int, int, int, int], int] = {}
+        self.hist: dict[tuple[int, int, int, int, int, int], int] = {}
+        self.requests: dict[tuple[int, int, int], RequestStats] = {}
         self.flows: dict[FlowKey, tuple[int, int, int, int]] = {}
         self.models = {L: LLAMA, Q: QWEN}
         self.errors = {"fp_full": 0, "scan_gave_up": 0}
         self.ports: dict[int, PortStats] = {}
-        self.inflight: dict[tuple[int, int], int] = {}
+        self.inflight: dict[tuple[int, int, int], InFlight] = {}
         self.expired: list[FlowKey] = []
 
     def add(self, model: int, status: int, latency_ms: float, n: int = 1,
-            port: int = 8000) -> None:
-        key = (model, port, status, buckets.index(int(latency_ms * MS)))
+            port: int = 8000, kind: int = TTFB, endpoint: int = CHAT) -> None:
+        key = (model, port, endpoint, kind, status, buckets.index(int(latency_ms * MS)))
         self.hist[key] = self.hist.get(key, 0) + n
 
-    def read_maps(self) -> MapSnapshot:
-        return MapSnapshot(mono_ns=self.mono_ns, flows=FlowTable.of(self.flows),
-                           histograms=dict(self.hist), models=dict(self.models),
-                           errors=dict(self.errors), ports=dict(self.ports),
-                           inflight=dict(self.inflight))
+    def ended(self, model: int, port: int = 8000, endpoint: int = CHAT, **counts: int) -> None:
+        key = (model, port, endpoint)
+        old = self.requests.get(key, RequestStats())
+        self.requests[key] = old._replace(**{k: getattr(old, k) + v for k, v in counts.items()})
+
+    def read_maps(self, with_flows: bool = True) -> MapSnapshot:
+        return MapSnapshot(mono_ns=self.mono_ns,
+                           flows=FlowTable.of(self.flows) if with_flows else None,
+                           histograms=dict(self.hist), requests=dict(self.requests),
+                           models=dict(self.models), errors=dict(self.errors),
+                           ports=dict(self.ports), inflight=dict(self.inflight))
 
     def expire_flows(self, keys: list[FlowKey]) -> None:
         self.expired.extend(keys)
@@ -136,7 +146,7 @@ def test_a_model_on_two_ports(fake: FakeProbes) -> None:
     r.poll(t)
     fake.add(L, 200, 10, n=90, port=8000)
     fake.add(L, 503, 200, n=10, port=8001)
-    fake.inflight = {(L, 8000): 3, (L, 8001): 1}
+    fake.inflight = {(L, 8000, CHAT): InFlight(1, 2), (L, 8001, CHAT): InFlight(1, 0)}
     r.poll(t + 1)
     by_port = {m.port: m for m in r.model_stats()}
     assert (by_port[8000].requests, by_port[8001].requests) == (90, 10)
@@ -154,7 +164,8 @@ def test_a_model_on_two_ports(fake: FakeProbes) -> None:
 
 def test_inflight_and_unnamed_models(fake: FakeProbes) -> None:
     unknown = model_id("not-in-the-map")
-    fake.inflight = {(L, 8000): 4, (0, 8000): 2, (unknown, 8000): 1}
+    fake.inflight = {(L, 8000, CHAT): InFlight(4, 0), (0, 8000, CHAT): InFlight(2, 0),
+                     (unknown, 8000, CHAT): InFlight(0, 1)}
     r = FingerprintReader(fake)
     r.poll(time.monotonic())
     rep = report(r)
@@ -189,7 +200,11 @@ def test_report_keys_and_json(fake: FakeProbes) -> None:
     rep = report(r)
     m = model(rep, LLAMA)
     assert {"model", "requests", "status", "rps", "p50_ms", "p95_ms", "p99_ms",
-            "inflight"} <= set(m)
+            "inflight", "endpoint", "waiting", "running", "aborted", "output_tokens",
+            "tokens_per_s", "latency"} <= set(m)
+    assert set(m["latency"]) == {"ttfb", "ttft", "itl", "e2e"}
+    assert m["latency"]["ttfb"] == {"p50": m["p50_ms"], "p95": m["p95_ms"], "p99": m["p99_ms"]}
+    assert m["latency"]["ttft"] == {"p50": None, "p95": None, "p99": None}
     rows = {row["src"]: row for row in rep["flows"]}
     v4 = rows["10.0.0.1:40000"]
     assert (v4["dst"], v4["model"], v4["status"], v4["count"]) == ("10.0.0.2:8000", LLAMA,
@@ -210,7 +225,9 @@ def test_idle_flows_are_expired_and_leave_the_report(fake: FakeProbes) -> None:
     r = FingerprintReader(fake, flow_idle_s=30)
     r.poll(time.monotonic())
     assert fake.expired == [old]
-    r.poll(time.monotonic())
+    # the flow table is read one poll in FLOWS_EVERY: the next read leaves the old flow out
+    for _ in range(FLOWS_EVERY):
+        r.poll(time.monotonic())
     assert [row["src"] for row in report(r)["flows"]] == ["10.0.0.1:2"]
 
 
@@ -253,3 +270,68 @@ def test_report_before_the_first_poll_is_empty_but_well_formed(fake: FakeProbes)
 def test_rejects_a_non_positive_window(fake: FakeProbes) -> None:
     with pytest.raises(ValueError):
         FingerprintReader(fake, window_s=0)
+
+
+def test_latencies_of_each_kind_and_tokens_from_events_and_usage(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake, window_s=10)
+    t = time.monotonic()
+    r.poll(t)
+    # two streams: time to first byte 5 ms (their heads), first token 300 ms, 9 events
+    # each after it 20 ms apart; the first stream's usage said 12 tokens, not 10
+    fake.add(L, 200, 5, n=2)
+    fake.add(L, 200, 300, n=2, kind=TTFT)
+    fake.add(L, 200, 20, n=18, kind=ITL)
+    fake.add(L, 200, 500, n=2, kind=E2E)
+    fake.ended(L, complete=2, usage_answers=1, usage_events=10, output_tokens=12)
+    r.poll(t + 1)
+    (stats,) = r.model_stats()
+    assert stats.p99_ms == pytest.approx(5, rel=1 / 32)
+    assert stats.ttft.p99 == pytest.approx(300, rel=1 / 32)
+    assert stats.itl.p50 == pytest.approx(20, rel=1 / 32)
+    assert stats.e2e.p99 == pytest.approx(500, rel=1 / 32)
+    assert stats.output_tokens == 22 and stats.window_tokens == 22
+    assert stats.tokens_per_s == pytest.approx(22.0, rel=1e-3)
+    row = model(report(r), LLAMA)
+    assert row["output_tokens"] == 22 and row["outcomes"]["complete"] == 2
+
+
+def test_waiting_running_and_their_mean_over_the_window(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake, window_s=10)
+    t = time.monotonic()
+    r.poll(t)
+    fake.inflight = {(L, 8000, CHAT): InFlight(6, 8), (L, 8000, EMBEDDINGS): InFlight(3, 0)}
+    r.poll(t + 1)
+    fake.inflight = {(L, 8000, CHAT): InFlight(0, 2)}
+    r.poll(t + 2)
+    (stats,) = r.model_stats()
+    assert (stats.waiting, stats.running, stats.in_flight) == (0, 2, 2)
+    # 14 generating for a second, then 2 (embeddings queue no tokens: left out)
+    assert stats.mean_in_flight == pytest.approx(8.0, rel=1e-3)
+    rows = {row["endpoint"]: row for row in report(r)["models"]}
+    assert (rows["chat"]["waiting"], rows["chat"]["running"]) == (0, 2)
+    assert "embeddings" not in rows  # no answer yet, nothing in flight now
+
+
+def test_scrapes_and_health_checks_stay_out_of_the_load(fake: FakeProbes) -> None:
+    """GETs of the server's /metrics or /health: endpoint "other", no model."""
+    r = FingerprintReader(fake)
+    fake.add(0, 200, 3, n=40, endpoint=OTHER)
+    fake.add(L, 200, 100, n=2)
+    fake.add(Q, 200, 50, n=1, endpoint=OTHER)  # an unknown path whose body named a model
+    r.poll(time.monotonic())
+    assert sorted(m.model for m in r.model_stats()) == sorted([LLAMA, QWEN])
+    rows = {(row["model"], row["endpoint"]) for row in report(r)["models"]}
+    assert rows == {("-", "other"), (LLAMA, "chat"), (QWEN, "other")}
+
+
+def test_outcomes_and_aborts_are_counted_under_their_model(fake: FakeProbes) -> None:
+    r = FingerprintReader(fake)
+    fake.add(L, 200, 10, n=3)
+    fake.ended(L, complete=1, error=1, aborted=1)
+    fake.ended(L, aborted=2)  # timed out before any answer: no latency sample
+    r.poll(time.monotonic())
+    row = model(report(r), LLAMA)
+    assert row["aborted"] == 3
+    assert row["outcomes"] == {"complete": 1, "error": 1, "aborted": 3, "truncated": 0,
+                               "unanswered": 0}
+    assert row["error_ratio"] == pytest.approx(1 / 3, abs=1e-4)  # a stream error of 3 answers

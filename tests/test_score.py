@@ -1,9 +1,13 @@
+from dataclasses import dataclass
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from daemon.score import (
+    MIN_TOKENS,
     Components,
+    QueueGauge,
     ScoreConfig,
     ScoreSmoother,
     ScoreWeights,
@@ -13,7 +17,7 @@ from daemon.score import (
 )
 from gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
 
-CONFIG = ScoreConfig(latency_targets_ms={2: 500.0})
+CONFIG = ScoreConfig()
 
 
 def gpu(index: int, util: int, used: int, total: int = 1000, healthy: bool = True) -> GpuLoad:
@@ -30,10 +34,10 @@ MODELS = [model(1, 10.0, 0.02, 600.0, 32), model(2, 30.0, 0.0, 150.0, 32)]
 
 
 def test_components_follow_the_documented_definitions() -> None:
-    c = components(HOST, GPUS, MODELS, CONFIG)
+    c = components(HOST, GPUS, MODELS, CONFIG, queue=0.3)
     assert c.gpu_util == pytest.approx(0.7)  # mean of 60 % and 80 %
     assert c.gpu_memory == pytest.approx(0.2)  # fullest is 0.96: (0.96 - 0.95) / 0.05
-    assert c.latency == pytest.approx(0.3)  # 600 / 2000 default, 150 / 500 configured
+    assert c.queue == pytest.approx(0.3)  # QueueGauge's figure, as given
     assert c.errors == pytest.approx(0.1)  # (0.02 * 10 + 0 * 30) / 40 = 0.005, / 0.05
     assert c.in_flight == pytest.approx(0.5)  # 64 / (64 per GPU * 2 GPUs)
     assert c.cpu == pytest.approx(0.3)  # PSI 30 % beats 20 % utilisation
@@ -41,38 +45,38 @@ def test_components_follow_the_documented_definitions() -> None:
 
 
 def test_score_is_the_weighted_blend() -> None:
-    c = components(HOST, GPUS, MODELS, CONFIG)
+    c = components(HOST, GPUS, MODELS, CONFIG, queue=0.3)
     # 0.35*0.7 + 0.10*0.2 + 0.25*0.3 + 0.10*0.1 + 0.15*0.5 + 0.05*0.3, weights sum to 1
     assert instant_score(c, CONFIG.weights) == pytest.approx(0.44)
 
 
 def test_custom_weights_change_the_blend() -> None:
-    c = components(HOST, GPUS, MODELS, CONFIG)
-    only_gpu = ScoreWeights(gpu_util=1, gpu_memory=0, latency=0, errors=0, in_flight=0, cpu=0)
+    c = components(HOST, GPUS, MODELS, CONFIG, queue=0.3)
+    only_gpu = ScoreWeights(gpu_util=1, gpu_memory=0, queue=0, errors=0, in_flight=0, cpu=0)
     assert instant_score(c, only_gpu) == pytest.approx(0.7)
 
 
 def test_missing_components_leave_the_blend() -> None:
     c = components(HostLoad(0.4, 1, 2, 1.0, None), [], [], CONFIG)
-    assert (c.gpu_util, c.gpu_memory, c.latency, c.errors, c.gpu_failed) == (None,) * 5
+    assert (c.gpu_util, c.gpu_memory, c.queue, c.errors, c.gpu_failed) == (None,) * 5
     # Only in_flight (0) and cpu (0.4) remain: (0.15*0 + 0.05*0.4) / 0.20
     assert instant_score(c, CONFIG.weights) == pytest.approx(0.1)
 
 
-def test_models_without_traffic_have_no_latency() -> None:
+def test_models_without_traffic_have_no_error_ratio() -> None:
     c = components(HOST, GPUS, [model(1, 0.0, 1.0, 60_000.0, 0)], CONFIG)
-    assert c.latency is None and c.errors is None
+    assert c.queue is None and c.errors is None
 
 
 @pytest.mark.parametrize(
     "c, floor",
     [
-        (Components(0.1, 0.0, 0.95, 0.0, 0.0, 0.0, 0.0), 0.95),  # P99 near its target
+        (Components(0.1, 0.0, 0.95, 0.0, 0.0, 0.0, 0.0), 0.95),  # a long queue
         (Components(0.1, 0.0, 0.1, 1.0, 0.0, 0.0, 0.0), 1.0),  # errors at the ceiling
         (Components(0.1, 0.0, None, None, 0.0, 0.0, 0.5), 0.5),  # half the GPUs failed
     ],
 )
-def test_latency_errors_and_failed_gpus_floor_the_score(c: Components, floor: float) -> None:
+def test_queue_errors_and_failed_gpus_floor_the_score(c: Components, floor: float) -> None:
     assert instant_score(c, CONFIG.weights) == pytest.approx(floor)
 
 
@@ -87,7 +91,8 @@ def test_unknown_gpu_memory_adds_no_pressure() -> None:
 
 def test_everything_saturated_scores_one() -> None:
     host = HostLoad(1.0, 2, 2, 99.0, 100.0)
-    c = components(host, [gpu(0, 100, 1000)], [model(1, 5.0, 1.0, 60_000.0, 10_000)], CONFIG)
+    c = components(host, [gpu(0, 100, 1000)], [model(1, 5.0, 1.0, 60_000.0, 10_000)], CONFIG,
+                   queue=1.0)
     assert instant_score(c, CONFIG.weights) == 1.0
 
 
@@ -158,8 +163,6 @@ def test_clock_going_back_adds_no_weight() -> None:
         lambda: ScoreWeights(0, 0, 0, 0, 0, 0),
         lambda: ScoreWeights(gpu_util=float("nan")),
         lambda: ScoreConfig(degraded_at=0.9, overloaded_at=0.9),
-        lambda: ScoreConfig(default_latency_target_ms=0),
-        lambda: ScoreConfig(latency_targets_ms={1: -5.0}),
         lambda: ScoreConfig(memory_knee=1.0),
         lambda: ScoreConfig(half_life_s=0),
         lambda: ScoreConfig(error_ratio_ceiling=0),
@@ -169,3 +172,47 @@ def test_clock_going_back_adds_no_weight() -> None:
 def test_bad_config_is_refused(make) -> None:
     with pytest.raises(ValueError):
         make()
+
+
+@dataclass(frozen=True)
+class Rates:
+    tokens_per_s: float
+    mean_in_flight: float
+    window_tokens: int = 10 * MIN_TOKENS
+    model_id: int = 1
+    port: int = 8000
+
+
+def test_queue_is_the_share_of_the_best_rate_per_request_that_is_lost() -> None:
+    gauge = QueueGauge()
+    assert gauge.update([Rates(0.0, 0.0)]) is None  # nothing known yet
+    assert gauge.update([Rates(50.0, 1.0)]) == 0.0  # one request, 50 tokens/s: the best
+    assert gauge.update([Rates(400.0, 8.0)]) == 0.0  # a full batch of 8 at that rate
+    # 16 in flight for the same 400 tokens/s: half of them wait
+    assert gauge.update([Rates(400.0, 16.0)]) == pytest.approx(0.5)
+    assert gauge.update([Rates(400.0, 32.0)]) == pytest.approx(0.75)
+    assert gauge.update([Rates(0.0, 0.0)]) == 0.0  # idle again: no queue
+    assert gauge.best() == {(1, 8000): 50.0}
+
+
+def test_queue_is_the_busiest_models_and_each_model_has_its_own_best() -> None:
+    gauge = QueueGauge()
+    gauge.update([Rates(100.0, 1.0, model_id=1), Rates(10.0, 1.0, model_id=2)])
+    assert gauge.update([Rates(400.0, 8.0, model_id=1),
+                         Rates(10.0, 4.0, model_id=2)]) == pytest.approx(0.75)
+
+
+def test_a_window_with_too_few_tokens_keeps_the_last_figure() -> None:
+    """One long answer not streamed: its tokens come at its end, the window holds none."""
+    gauge = QueueGauge()
+    gauge.update([Rates(50.0, 1.0)])
+    assert gauge.update([Rates(100.0, 4.0)]) == pytest.approx(0.5)
+    assert gauge.update([Rates(0.0, 3.0, window_tokens=0)]) == pytest.approx(0.5)
+
+
+@given(st.floats(1, 1e4), st.floats(0.5, 1e3), st.floats(0, 1e4), st.floats(0.5, 1e3))
+def test_queue_stays_in_0_1(t1: float, n1: float, t2: float, n2: float) -> None:
+    gauge = QueueGauge()
+    for rates in (Rates(t1, n1), Rates(t2, n2)):
+        q = gauge.update([rates])
+        assert q is None or 0.0 <= q <= 1.0

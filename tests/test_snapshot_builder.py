@@ -22,7 +22,13 @@ class Figures:
     error_ratio: float = 0.0
     p50_ms: float = 100.0
     p99_ms: float = 400.0
-    in_flight: int = 8
+    waiting: int = 8
+    running: int = 0
+    ttft_p99_ms: float = math.nan
+    itl_p99_ms: float = math.nan
+    tokens_per_s: float = 0.0
+    window_tokens: int = 0
+    mean_in_flight: float = 0.0
 
 
 class Clocks:
@@ -65,7 +71,7 @@ def test_first_build_publishes_urgently_with_seeded_version() -> None:
     snap, changed, urgent = builder(clocks).build(host(), gpus(), [Figures(1)])
     assert (changed, urgent) == (True, True)
     assert snap.version == START_MS and snap.timestamp_ms == START_MS
-    assert snap.models == (ModelLoad(1, 8000, 50.0, 0.0, 100.0, 400.0, 8),)
+    assert snap.models == (ModelLoad(1, 8000, 50.0, 0.0, 100.0, 400.0, 8, waiting=8),)
     assert decode(encode(snap)) == snap
 
 
@@ -143,7 +149,14 @@ def test_score_is_smoothed_and_drives_the_state() -> None:
     b = builder(clocks, half_life_s=1.0)
     idle, _, _ = b.build(host(0.0), gpus(0), [])
     assert idle.state is State.OK and idle.score == 0.0
-    hot = dict(host=host(1.0), gpus=gpus(100), models=[Figures(1, p99_ms=3000.0, in_flight=128)])
+    clocks.tick(0)
+    quiet = Figures(1, waiting=0, running=1, tokens_per_s=50.0, window_tokens=500,
+                    mean_in_flight=1.0)
+    b.build(host(0.0), gpus(0), [quiet])  # the model's best rate per request: 50 tokens/s
+    # then 128 in flight for next to no tokens: nearly all of them wait
+    hot = dict(host=host(1.0), gpus=gpus(100),
+               models=[Figures(1, waiting=64, running=64, tokens_per_s=0.001,
+                               window_tokens=500, mean_in_flight=128.0)])
     clocks.tick(1000)
     halfway, _, _ = b.build(**hot)
     assert halfway.score == pytest.approx(0.5, abs=1e-4)  # one half-life towards 1.0
@@ -167,14 +180,15 @@ def test_version_survives_restart_with_clock_stepped_back(tmp_path: Path) -> Non
 def test_bad_probe_figures_are_bounded() -> None:
     clocks = Clocks()
     snap, _, _ = builder(clocks).build(
-        host(), gpus(), [Figures(1, rps=math.nan, error_ratio=2.0, p50_ms=-1.0, p99_ms=math.inf, in_flight=-3)]
+        host(), gpus(), [Figures(1, rps=math.nan, error_ratio=2.0, p50_ms=-1.0, p99_ms=math.inf,
+                                 waiting=-3, running=-1, tokens_per_s=math.inf)]
     )
     assert snap.models == (ModelLoad(1, 8000, 0.0, 1.0, 0.0, 0.0, 0),)
 
 
 def test_too_many_models_keeps_the_busiest() -> None:
     clocks = Clocks()
-    figures = [Figures(i, rps=float(i), in_flight=0) for i in range(MAX_MODELS + 10)]
+    figures = [Figures(i, rps=float(i), waiting=0) for i in range(MAX_MODELS + 10)]
     snap, _, _ = builder(clocks).build(host(), gpus(), figures)
     assert sorted(m.model_id for m in snap.models) == list(range(10, MAX_MODELS + 10))
 
@@ -183,7 +197,7 @@ def test_state_follows_the_score_peers_see() -> None:
     # cpu 0.6999 and in_flight 45/64 blend to 0.69996: "ok" as computed, but it travels
     # as 0.7000, and the state must agree with the score on the wire.
     clocks = Clocks()
-    weights = ScoreWeights(gpu_util=0, gpu_memory=0, latency=0, errors=0, in_flight=0.019, cpu=1)
-    idle_model = Figures(1, rps=0.0, in_flight=45)
+    weights = ScoreWeights(gpu_util=0, gpu_memory=0, queue=0, errors=0, in_flight=0.019, cpu=1)
+    idle_model = Figures(1, rps=0.0, waiting=45)
     snap, _, _ = builder(clocks, weights=weights).build(HostLoad(0.6999, 1, 2, 0.0, None), [], [idle_model])
     assert (snap.score, snap.state) == (0.7, State.DEGRADED)

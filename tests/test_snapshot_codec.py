@@ -66,6 +66,11 @@ models = st.builds(
     p50_ms=_num(3.6e6),
     p99_ms=_num(3.6e6),
     in_flight=st.integers(0, 2**32 - 1),
+    waiting=st.integers(0, 2**32 - 1),
+    running=st.integers(0, 2**32 - 1),
+    ttft_p99_ms=_num(3.6e6),
+    itl_p99_ms=_num(3.6e6),
+    tokens_per_s=_num(1e8),
 )
 snapshots = st.builds(
     LoadSnapshot,
@@ -95,7 +100,9 @@ def typical(n_gpus: int = 8, n_models: int = 4) -> LoadSnapshot:
                       cpu_pressure_pct=12.34),
         gpus=[GpuLoad(i, 97, 140_000, 143_771, 83, 699, 700, 0x44, 3, True) for i in range(n_gpus)],
         models=[
-            ModelLoad(0xCBF29CE484222325 ^ (i * 0x100000001B3), 8000 + i, 1234.56, 0.0123, 812.3, 9876.5, 345)
+            ModelLoad(0xCBF29CE484222325 ^ (i * 0x100000001B3), 8000 + i, 1234.56, 0.0123, 812.3,
+                      9876.5, 345, waiting=120, running=225, ttft_p99_ms=3456.7, itl_p99_ms=45.6,
+                      tokens_per_s=5432.1)
             for i in range(n_models)
         ],
     )
@@ -119,10 +126,10 @@ def test_round_trip(snap: LoadSnapshot) -> None:
     assert encode(decode(data)) == data
 
 
-def test_eight_gpus_four_models_fit_512_bytes() -> None:
+def test_eight_gpus_four_models_fit_576_bytes() -> None:
     size = len(encode(typical()))
     print(f"8 GPU / 4 model snapshot: {size} bytes")
-    assert size <= 512
+    assert size <= 576
 
 
 def test_largest_possible_snapshot_fits_decoder_limit() -> None:
@@ -137,7 +144,8 @@ def test_largest_possible_snapshot_fits_decoder_limit() -> None:
         gpus=[
             GpuLoad(255 - i, 100, 2**32 - 1, 2**32 - 1, 255, 65535, 65535, 2**64 - 1, 65535, True) for i in range(16)
         ],
-        models=[ModelLoad(2**64 - 1 - i, 65535, 1e7, 1.0, 3.6e6, 3.6e6, 2**32 - 1) for i in range(64)],
+        models=[ModelLoad(2**64 - 1 - i, 65535, 1e7, 1.0, 3.6e6, 3.6e6, 2**32 - 1, 2**32 - 1,
+                          2**32 - 1, 3.6e6, 3.6e6, 1e8) for i in range(64)],
     )
     data = encode(biggest)
     assert len(data) <= MAX_ENCODED_BYTES
@@ -166,6 +174,26 @@ def test_newer_writer_extra_keys_and_trailing_fields_are_ignored() -> None:
     for record in w["g"] + w["m"] + w["e"]:
         record.extend([7, "x"])
     assert decode(pack(w)) == snap
+
+
+def test_older_writer_without_the_llm_figures_reads_as_zeros() -> None:
+    """An agent from before the LLM figures sends 7-element model records."""
+    snap = typical()
+    w = wire(snap)
+    for record in w["m"]:
+        del record[7:]
+    old = decode(pack(w))
+    assert [(m.waiting, m.running, m.ttft_p99_ms, m.itl_p99_ms, m.tokens_per_s)
+            for m in old.models] == [(0, 0, 0.0, 0.0, 0.0)] * len(snap.models)
+    assert [(m.model_id, m.in_flight) for m in old.models] == [
+        (m.model_id, m.in_flight) for m in snap.models]
+
+
+def test_a_model_record_cut_before_the_original_fields_is_refused() -> None:
+    w = wire(typical())
+    del w["m"][0][6:]
+    with pytest.raises(SnapshotError, match="6 elements, need 7"):
+        decode(pack(w))
 
 
 # --- rejection -------------------------------------------------------------------------

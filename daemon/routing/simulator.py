@@ -92,7 +92,7 @@ class SimConfig:
     gossip_delay_s: tuple[float, float] = (0.5, 2.0)
     # The operator's P99 target: twice the slowest server's P99 without queueing (10 s).
     # docs/routing.md shows what a tighter one does at 95 % load.
-    latency_target_ms: float = 20_000.0
+    tokens_per_request: int = 64  # output tokens of each answer, for the score's queue
     sample_s: float = 0.1
     swing_window_s: float = 2.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -107,7 +107,13 @@ class _Figures(NamedTuple):
     error_ratio: float
     p50_ms: float
     p99_ms: float
-    in_flight: int
+    waiting: int
+    running: int
+    ttft_p99_ms: float
+    itl_p99_ms: float
+    tokens_per_s: float
+    window_tokens: int
+    mean_in_flight: float
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -133,7 +139,7 @@ class _Server:
             self.node_id, (Endpoint(f"10.0.{index // 250}.{index % 250 + 1}", 8000),),
             VersionClock(None, now_ms=lambda: round(clock[0] * 1000)),
             ChangeDetector(),
-            ScoreConfig(default_latency_target_ms=config.latency_target_ms),
+            ScoreConfig(),
             now_ms=lambda: round(clock[0] * 1000),
             monotonic=lambda: clock[0],
         )
@@ -151,8 +157,11 @@ class _Server:
         while self.window and self.window[0][0] <= now - config.window_s:
             self.window.popleft()
         latencies = sorted(lat for _, lat in self.window)
+        tokens = len(self.window) * config.tokens_per_request
         figures = _Figures(mid, 8000, self.completed_in_tick / config.tick_s, 0.0,
-                           _percentile(latencies, 0.5), _percentile(latencies, 0.99), self.in_system)
+                           _percentile(latencies, 0.5), _percentile(latencies, 0.99),
+                           len(self.queue), self.busy, math.nan, math.nan,
+                           tokens / config.window_s, tokens, float(self.in_system))
         self.completed_in_tick = 0
         gpus = [GpuLoad(g, util, 73_728, 81_920, 60, 400, 700, 0, 1, True) for g in range(self.gpus)]
         snap, new, _ = self.builder.build(HostLoad(0.2, 200_000, 1_000_000, 4.0, None), gpus, [figures])
