@@ -349,6 +349,8 @@ static __always_inline void close_flow(struct lm_ctx *c, struct lm_flow_state *s
         count_ended(0, port, LM_EP_OTHER, queued, st->overflow);
     st->head = st->tail;
     st->overflow = 0;
+    /* what the server may still send belongs to no request: nothing to frame */
+    st->flags &= ~(LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED);
     if (c->rst || !from_client)
         inflight.delete(&c->flow);
 }
@@ -467,7 +469,7 @@ static __always_inline int model_scan(struct __sk_buff *skb, struct lm_scratch *
     }
     if (from < 0) {
         carry = 0;
-        f = find_token(s, a, lim, n, final, 'm', KEY7, LOW(7), 1, 7, iters);
+        f = find_token(s, a, lim, n, final, '"', 'm', KEY7, LOW(7), 0, 7, iters);
         if (f.at >= 0)
             from = f.at + 7;
     }
@@ -843,7 +845,7 @@ static __always_inline int status_scan(struct __sk_buff *skb, struct lm_scratch 
         c->pos = c->len;
         return -1;
     }
-    struct found f = find_token(s, 0, n, n, c->pos + n >= c->len, 'H', HTTP7, LOW(7), 0, 7,
+    struct found f = find_token(s, 0, n, n, c->pos + n >= c->len, 'H', 'T', HTTP7, LOW(7), 0, 7,
                                 WIN_ITERS);
     if (f.at >= 0)
         return c->pos + f.at;
@@ -1153,11 +1155,13 @@ static __always_inline int usage_step(struct __sk_buff *skb, struct lm_scratch *
     u32 n = load_win(skb, s, c->ufrom, c->uto);
     if (!n)
         return c->uafter;
-    struct found f = find_token(s, 0, n, n, 1, 'u', USAGE7, LOW(7), 1, 7, WIN_ITERS);
+    struct found f = find_token(s, 0, n, n, 1, '"', 'u', USAGE7, LOW(7), 0, 7, WIN_ITERS);
     u32 out = 0, in = 0;
-    if (f.at >= 0 && parse_usage(s, f.at, n, &out, &in)) {
+    int got = f.at >= 0 ? parse_usage(s, f.at, n, &out, &in) : 0;
+    if (in)
+        st->in_tokens = in; /* an embedding's usage has prompt tokens only */
+    if (got) {
         st->out_tokens = out;
-        st->in_tokens = in;
         st->aflags |= LM_A_USAGE;
     }
     return c->uafter;

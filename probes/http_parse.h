@@ -328,16 +328,19 @@ struct found {
 
 /* Looks for a token of up to 8 bytes (key, its bytes beyond `mask` zero) starting in
  * win[a..lim). Candidates are the bytes equal to one of its bytes (`byte`, `back` bytes
- * into the token), found 8 at a time with a has-zero-byte test, then checked as one masked
- * 8-byte compare. `need` bytes from the token's start must be in the window for the caller
+ * into the token) and, when `next` is not 0, followed by `next`: found 8 at a time with a
+ * has-zero-byte test on the word and on the word one byte on, then checked as one masked
+ * 8-byte compare. A pair of bytes keeps candidates rare whatever the text: a body of
+ * "mmmm..." has no '"m', and one candidate per byte would take one iteration per byte. `need` bytes from the token's start must be in the window for the caller
  * to use a match; fewer, and the match counts as cut by the window end. final: no byte
  * follows win[n-1] in this segment, so a cut token is not worth a reload. Loop bounds go
  * through the scratch so the verifier walks the loop once, not once per range the
  * callers' paths give them. iters bounds the loop: the verifier walks every iteration, so
  * a search over a head window takes fewer than one over a body window. */
 static __always_inline struct found find_token(struct lm_scratch *s, u32 a, u32 lim, u32 n,
-                                               int final, u64 byte, u64 key, u64 mask,
-                                               u32 back, u32 need, const int iters) {
+                                               int final, u64 byte, u64 next, u64 key,
+                                               u64 mask, u32 back, u32 need,
+                                               const int iters) {
     const u8 *w = s->win;
     struct lm_ctx *c = &s->c;
     c->lim = lim + back; /* candidates at or past it start no token before lim */
@@ -351,6 +354,8 @@ static __always_inline struct found find_token(struct lm_scratch *s, u32 a, u32 
             break;
         }
         u64 t = has_byte(brd64(w, p), byte * ONES);
+        if (next)
+            t &= has_byte(brd64(w, p + 1), next * ONES);
         if (!t) {
             c->cur = p + 8;
             continue;

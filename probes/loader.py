@@ -319,7 +319,6 @@ class ProbeSet:
             f"-DLM_HIST_SUB_BITS={buckets.SUB_BITS}",
             f"-DLM_HIST_MAX_EXP={buckets.MAX_EXP}",
             *kernel_cflags(tracefs),
-            *os.environ.get("LM_XFLAGS", "").split(),
         ]
         text = "\n".join((HERE / name).read_text() for name in SOURCES)
         try:

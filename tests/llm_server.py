@@ -231,7 +231,7 @@ class Server:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="::")
+    parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--step-ms", type=float, default=20)
