@@ -4,7 +4,7 @@ VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 CONFIG  ?=
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench bench-vllm clean
 
 setup:
 	bash scripts/setup.sh
@@ -18,6 +18,11 @@ test: setup
 bench:
 	bash scripts/setup.sh --bench
 	$(PYTHON) scripts/bench_probes.py
+
+# A real vLLM on this CPU, loaded until it queues: loadmesh's figures beside vLLM's own and
+# the clients'. The first run installs vLLM into /var/tmp/loadmesh-vllm (minutes, 3.5 GB).
+bench-vllm: setup
+	$(PYTHON) scripts/bench_vllm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

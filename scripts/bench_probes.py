@@ -7,7 +7,9 @@ pair, so every request and response crosses the probed interface once.
 
   (a) probe kernel time per request: run time of the probe programs from the kernel's BPF
       statistics (kernel.bpf_stats_enabled=1; tail-called steps run inside their entry
-      program) over wrk's request count. Goal <= 1 us.
+      program) over wrk's request count. Goal <= 1 us. Then the same with streaming:
+      openai-python clients stream chat completions from a uvicorn + Starlette server
+      (tests/llm_server.py, on a second port): kernel time per request and per SSE event.
   (b) requests/s with probes over without: one unbroken wrk run during which the probes
       are detached and re-attached every few seconds (ProbeSet.pause/resume, no recompile);
       the rate of each phase comes from the veth's packet counters, and the ratio is the
@@ -18,7 +20,7 @@ pair, so every request and response crosses the probed interface once.
 
 Then the reader: wrk keeps 10,000 connections busy while an asyncio loop measures how
 late its 1 ms sleeps wake up, first without the fingerprint reader, then with it polling
-every second in a worker thread (as the daemon runs it), then with a dump of every flow
+every 0.25 s in a worker thread (as the daemon runs it), then with a dump of every flow
 (`loadmesh dump`) every second on top.
 
 Needs root, nginx and wrk (`bash scripts/setup.sh --bench`). All traffic stays inside the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import re
 import resource
@@ -48,10 +51,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
 
-from probes import FingerprintReader, MapSizes, ProbeSet, buckets  # noqa: E402
+from daemon.probes_component import POLL_S  # noqa: E402
+from probes import FingerprintReader, MapSizes, ProbeSet, abi, buckets  # noqa: E402
 from probes.model_id import model_id  # noqa: E402
 
 PORT = 8080
+SSE_PORT = 8081  # tests/llm_server.py: streamed answers for the cost per event
+TTFB = abi.const("LM_HK_TTFB")
 MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3",
           "Qwen/Qwen2.5-14B-Instruct")
 STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
@@ -147,13 +153,18 @@ def ratio_phase(probes: ProbeSet, ifname: str, url: str, lua: Path, conns: int,
             "wrk": result}
 
 
+def answers(histograms: dict) -> int:
+    """Answers the probes counted: one time-to-first-byte sample each."""
+    return sum(n for key, n in histograms.items() if key[3] == TTFB)
+
+
 def probe_p99_ms(before: dict, after: dict) -> float | None:
     ids = {model_id(m) for m in MODELS}
     delta: dict[int, int] = {}
     for key, n in after.items():
-        mid, _port, _status, bucket = key
+        mid, _port, _ep, kind, _status, bucket = key
         d = n - before.get(key, 0)
-        if mid in ids and d:
+        if mid in ids and kind == TTFB and d:
             delta[bucket] = delta.get(bucket, 0) + d
     p = buckets.percentile(delta, 0.99)
     return None if p is None else p / 1e6
@@ -177,17 +188,51 @@ def cost_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float
     res["ns_per_run"] = run_ns / max(runs, 1)
     res["runs_per_req"] = runs / res["requests"]
     res["probe_p99_ms"] = probe_p99_ms(snap0.histograms, snap1.histograms)
-    res["counted"] = sum(snap1.histograms.values()) - sum(snap0.histograms.values())
+    res["counted"] = answers(snap1.histograms) - answers(snap0.histograms)
     res["errors"] = {k: v - snap0.errors[k] for k, v in snap1.errors.items()
                      if v > snap0.errors[k]}
     return res
 
 
+def stream_phase(probes: ProbeSet, url: str, clients: int, seconds: float,
+                 max_tokens: int) -> dict:
+    """(a) with streaming: openai-python clients (tests/llm_clients.py, one process each)
+    stream chat completions from the uvicorn + Starlette server (tests/llm_server.py), BPF
+    statistics on: kernel time per request and per SSE event."""
+    stats_before = STATS_SYSCTL.read_text().strip()
+    STATS_SYSCTL.write_text("1")
+    try:
+        snap0 = probes.read_maps(with_flows=False)
+        s0 = probes.prog_stats()
+        argv = [sys.executable, str(ROOT / "tests" / "llm_clients.py"), "--url", url,
+                "--model", "bench-stream", "--requests", "1000000", "--seconds", str(seconds),
+                "--max-tokens", str(max_tokens), "--stream"]
+        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+                 for _ in range(clients)]
+        timings = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=seconds + 120)
+            timings += json.loads(out)
+        s1 = probes.prog_stats()
+        snap1 = probes.read_maps(with_flows=False)
+    finally:
+        STATS_SYSCTL.write_text(stats_before)
+    run_ns = sum(s1[k][0] - s0.get(k, (0, 0))[0] for k in s1)
+    runs = sum(s1[k][1] - s0.get(k, (0, 0))[1] for k in s1 if k.startswith("lm_tc_"))
+    requests = len(timings) + clients  # and each client's warm-up
+    events = sum(len(t["events"]) for t in timings)
+    return {"requests": requests, "events": events, "ns_per_req": run_ns / requests,
+            "ns_per_event": run_ns / max(events, 1), "runs_per_req": runs / requests,
+            "counted": answers(snap1.histograms) - answers(snap0.histograms),
+            "errors": {k: v - snap0.errors[k] for k, v in snap1.errors.items()
+                       if v > snap0.errors[k]}}
+
+
 def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float) -> dict:
     """wrk keeps `conns` connections busy; an asyncio loop measures how late its 1 ms sleeps
-    wake up: first without the reader, then with it polling every second in a worker thread
-    (as the daemon runs it), then also with a full dump (`loadmesh dump`: a row per flow,
-    built in another worker thread) every second."""
+    wake up: first without the reader, then with it polling every 0.25 s in a worker thread
+    (as the daemon runs it: the flow table one poll in four), then also with a full dump
+    (`loadmesh dump`: a row per flow, built in another worker thread) every second."""
     reader = FingerprintReader(probes)
     polls: list[float] = []
     dumps: list[float] = []
@@ -196,7 +241,7 @@ def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: flo
     stop_polls, stop_dumps = threading.Event(), threading.Event()
 
     def poller() -> None:
-        while not stop_polls.wait(1.0):
+        while not stop_polls.wait(POLL_S):
             t = time.perf_counter()
             reader.poll(time.monotonic())
             polls.append(time.perf_counter() - t)
@@ -250,6 +295,8 @@ def main() -> int:
     ap.add_argument("--phase-seconds", type=float, default=2.0)
     ap.add_argument("--seconds", type=float, default=10, help="wrk run for (a) and (c)")
     ap.add_argument("--reader-conns", type=int, default=10000)
+    ap.add_argument("--stream-clients", type=int, default=8, help="streaming clients for (a)")
+    ap.add_argument("--stream-tokens", type=int, default=32, help="tokens per streamed answer")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_probes: run as root", file=sys.stderr)
@@ -273,10 +320,13 @@ def main() -> int:
         url = f"http://{topo.ns_v4}:{PORT}/v1/chat/completions"
         topo.ns.run(["sysctl", "-qw", "net.core.somaxconn=16384",
                      "net.ipv4.tcp_max_syn_backlog=16384"])
-        with topo.ns.popen(["nginx", "-c", str(d / "nginx.conf"), "-g", "daemon off;"]):
+        sse_server = [sys.executable, str(ROOT / "tests" / "llm_server.py"), "--port",
+                      str(SSE_PORT), "--step-ms", "10", "--slots", "64"]
+        with topo.ns.popen(["nginx", "-c", str(d / "nginx.conf"), "-g", "daemon off;"]), \
+                topo.ns.popen(sse_server, ready="ready"):
             time.sleep(1)
             run_wrk(url, lua, args.conns, 2)  # warm-up
-            probes = ProbeSet([topo.host_if], [PORT], sizes)
+            probes = ProbeSet([topo.host_if], [PORT, SSE_PORT], sizes)
             t = time.perf_counter()
             probes.start()
             start_s = time.perf_counter() - t
@@ -284,6 +334,8 @@ def main() -> int:
                 ratio = ratio_phase(probes, topo.host_if, url, lua, args.conns, args.phases,
                                     args.phase_seconds)
                 cost = cost_phase(probes, url, lua, args.conns, args.seconds)
+                stream = stream_phase(probes, f"http://{topo.ns_v4}:{SSE_PORT}",
+                                      args.stream_clients, args.seconds, args.stream_tokens)
                 reader = reader_phase(probes, url, lua, args.reader_conns, args.seconds)
             finally:
                 probes.stop()
@@ -293,6 +345,12 @@ def main() -> int:
     print(f"(a) probe kernel time per request: {cost['ns_per_req'] / 1000:.3f} us "
           f"({cost['runs_per_req']:.2f} program runs per request, {cost['ns_per_run']:.0f} ns "
           f"each; goal <= 1 us)")
+    print(f"(a) streamed: {stream['ns_per_req'] / 1000:.3f} us per request, "
+          f"{stream['ns_per_event']:.0f} ns per SSE event ({stream['requests']} requests of "
+          f"{args.stream_tokens} tokens from {args.stream_clients} openai-python clients, "
+          f"uvicorn + Starlette; {stream['events']} events, "
+          f"{stream['runs_per_req']:.1f} program runs per request; the probes counted "
+          f"{stream['counted']} answers; errors {stream['errors'] or 'none'})")
     q1, _, q3 = statistics.quantiles(ratio["pairs"], n=4)
     print(f"(b) requests/s with/without probes: {ratio['ratio']:.3f} (median of "
           f"{len(ratio['pairs'])} {args.phase_seconds:.0f} s on-phases, each against the "

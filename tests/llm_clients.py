@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import Any
 
@@ -25,8 +26,11 @@ import openai
 
 
 def measure(url: str, model: str, requests: int, *, stream: bool, max_tokens: int = 16,
-            client: str = "openai", include_usage: bool = False,
-            prompt: str = "hello") -> list[dict[str, Any]]:
+            client: str = "openai", include_usage: bool = False, prompt: str = "hello",
+            ignore_eos: bool = False, seconds: float | None = None) -> list[dict[str, Any]]:
+    """ignore_eos: ask vLLM for every max_tokens token (its random-weight test models emit
+    their eos token early at random). seconds: start no request past this many seconds
+    after the warm-up, however many of `requests` are left (a benchmark's phase)."""
     out: list[dict[str, Any]] = []
 
     def trace(name: str, _info: dict[str, Any]) -> None:
@@ -41,14 +45,20 @@ def measure(url: str, model: str, requests: int, *, stream: bool, max_tokens: in
     http = httpx.Client(event_hooks={"request": [on_request]}, timeout=600)
     messages = [{"role": "user", "content": prompt}]
     options = {"include_usage": True} if include_usage and stream else None
+    extra = {"ignore_eos": True} if ignore_eos else {}
     api = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-bench", max_retries=0,
                         http_client=http)
+    until = math.inf
     for i in range(requests + 1):
+        if i == 1 and seconds is not None:
+            until = time.perf_counter() + seconds
+        if time.perf_counter() > until:
+            break
         name = f"{model}-warmup" if i == 0 else model
         if client == "openai":
-            _openai_request(api, out, name, messages, max_tokens, stream, options)
+            _openai_request(api, out, name, messages, max_tokens, stream, options, extra)
         else:
-            _httpx_request(http, url, out, name, messages, max_tokens, stream, options)
+            _httpx_request(http, url, out, name, messages, max_tokens, stream, options, extra)
         out[-1]["done"] = time.perf_counter()
     http.close()
     return out[1:]
@@ -56,13 +66,14 @@ def measure(url: str, model: str, requests: int, *, stream: bool, max_tokens: in
 
 def _openai_request(api: openai.OpenAI, out: list[dict[str, Any]], model: str,
                     messages: list[dict[str, str]], max_tokens: int, stream: bool,
-                    options: dict[str, bool] | None) -> None:
+                    options: dict[str, bool] | None, extra: dict[str, Any]) -> None:
     if not stream:
-        r = api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens)
+        r = api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                        extra_body=extra)
         out[-1].update(status=200, completion_tokens=r.usage.completion_tokens)
         return
     chunks = api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                         stream=True, stream_options=options)
+                                         stream=True, stream_options=options, extra_body=extra)
     for chunk in chunks:
         out[-1]["events"].append(time.perf_counter())
         if chunk.usage:
@@ -72,9 +83,9 @@ def _openai_request(api: openai.OpenAI, out: list[dict[str, Any]], model: str,
 
 def _httpx_request(http: httpx.Client, url: str, out: list[dict[str, Any]], model: str,
                    messages: list[dict[str, str]], max_tokens: int, stream: bool,
-                   options: dict[str, bool] | None) -> None:
+                   options: dict[str, bool] | None, extra: dict[str, Any]) -> None:
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                            "stream": stream}
+                            "stream": stream, **extra}
     if options:
         body["stream_options"] = options
     with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -105,10 +116,13 @@ def main() -> None:
     parser.add_argument("--client", choices=("openai", "httpx"), default="openai")
     parser.add_argument("--include-usage", action="store_true")
     parser.add_argument("--prompt", default="hello")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--seconds", type=float)
     a = parser.parse_args()
     print(json.dumps(measure(a.url, a.model, a.requests, stream=a.stream,
                              max_tokens=a.max_tokens, client=a.client,
-                             include_usage=a.include_usage, prompt=a.prompt)), flush=True)
+                             include_usage=a.include_usage, prompt=a.prompt,
+                             ignore_eos=a.ignore_eos, seconds=a.seconds)), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ queued requests, new ones get 429, as a saturated server answers.
 
 Endpoints: POST /v1/chat/completions, /v1/completions (stream or not,
 stream_options.include_usage honoured), /v1/embeddings; GET /v1/models, /health, /metrics
-(a few Prometheus lines: a scrape), /stats (the engine's waiting and running, and when the
-next step comes, for tests to sample at a quiet moment). A request may add "fail_after": k
+(a few Prometheus lines: a scrape), /stats (the engine's waiting and running, how many of
+the running have a token out, and when the next step comes, for tests to sample at a quiet
+moment). A request may add "fail_after": k
 (a stream sends an error event after k tokens, as vLLM does for a failure inside a
 stream). Run inside a namespace:
 
@@ -127,6 +128,7 @@ class Server:
     async def stats(self, _: Request) -> JSONResponse:
         e = self.engine
         return JSONResponse({"waiting": len(e.waiting), "running": len(e.running),
+                             "started": sum(1 for s in e.running if s.emitted),
                              "steps": e.steps,
                              "next_step_ms": max(0.0, (e.next_step - time.monotonic()) * 1000)})
 

@@ -422,8 +422,6 @@ def test_waiting_and_running_are_the_servers_own_count(env: Env, stream: bool) -
     model = f"queue-{'streamed' if stream else 'whole'}"
     key = (model_id(model), SLOW_PORT, ENDPOINTS.index("chat"))
     done = threading.Event()
-    with httpx.Client(base_url=env.url(SLOW_PORT), timeout=10) as client:
-        first_step = _stats(client)["steps"]
 
     def worker(i: int) -> None:
         timings: list[Timing] = []
@@ -443,11 +441,12 @@ def test_waiting_and_running_are_the_servers_own_count(env: Env, stream: bool) -
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:  # the first 8 admitted, given a token
                 s = _stats(client)
-                if s["running"] == 8 and s["waiting"] == 4 and s["steps"] >= first_step + 3:
+                # all arrived, the first 8 each with a token out
+                if (s["running"], s["waiting"], s["started"]) == (8, 4, 8):
                     break
                 time.sleep(0.05)
             server, snap = _quiet_sample(env, client)
-        assert (server["running"], server["waiting"]) == (8, 4)
+        assert (server["running"], server["waiting"], server["started"]) == (8, 4, 8)
         got = snap.inflight.get(key)
         if stream:
             assert got == (4, 8)  # (waiting, running)

