@@ -16,10 +16,9 @@ Components, each in [0, 1] (docs/snapshot.md explains the defaults):
     score = max(blend, queue, errors, gpu_failed)
 
 The queue is what loads an LLM server: requests that wait, because the batch is full, get
-no tokens. Requests in flight and output tokens per second are the same figures whether
-the clients stream or not (a non-streamed request waits until its whole answer comes, a
-streamed one streams meanwhile; both are in flight; their tokens count either way), so the
-score follows the server's load, not the clients' mode. No latency target enters it: a
+no tokens. A request's time in the server and its output tokens are the same figures
+whether the client streams or not (both ends are on the wire either way), so the score
+follows the server's load, not the clients' mode. No latency target enters it: a
 normal answer takes 50 ms or 50 s.
 
 A component without data (no GPUs, no model with traffic) leaves the blend, so the rest
@@ -163,26 +162,38 @@ class ModelRates(Protocol):
     @property
     def tokens_per_s(self) -> float: ...
     @property
+    def window_tokens(self) -> int: ...
+    @property
     def mean_in_flight(self) -> float: ...
     @property
-    def window_tokens(self) -> int: ...
+    def e2e_tokens(self) -> int: ...
+    @property
+    def e2e_s(self) -> float: ...
 
 
 # A window with fewer output tokens, or less than this many requests in flight on average,
-# says too little about a model's rate to learn its best from.
+# says too little about a model's rate to learn from.
 MIN_TOKENS = 50
 MIN_IN_FLIGHT = 0.5
 
 
 class QueueGauge:
-    """The queue component: per (model, port), the output tokens per second each request in
-    flight gets (tokens_per_s / mean in flight over the window), against the best rate seen
-    for that model on this node. A server with room decodes every request at about its best
-    rate; once its batch is full, the requests behind it wait and get nothing, and the rate
-    per request falls as the queue grows: 1 - rate / best is then the share of the requests
-    that wait (half of them at a queue as long as the batch). The best is a maximum, kept
-    across ticks: it is what this hardware does for this model's requests, and a node
-    learns it in its first quiet moment. Until a model has one, it has no queue figure.
+    """The queue component, per (model, port): the output tokens a request gets per second
+    it spends in the server, against the best rate seen for that model on this node. A
+    server with room decodes every request at about its best rate; once its batch is full,
+    the requests behind it wait and get nothing meanwhile, so the rate falls: 1 - rate /
+    best is the share of a request's time lost to load (queueing, and the slower steps of
+    a fuller batch).
+
+    The rate now is the window's output tokens per second over its mean requests in
+    flight: it moves the moment requests pile up, before any of them ends. The best is
+    learnt from the answers that ended in a window, their tokens over their summed times in
+    the server (first byte to last, on the wire): the same figure per request whether it
+    streamed or came in one piece, where the rate from tokens as they pass is lumpy for
+    the latter (all of an answer's tokens at its end), and a maximum over lumpy windows
+    would take their luckiest. By Little's law the two agree in a steady state. The best is
+    kept across ticks: what this hardware does for this model's requests, learnt in the
+    node's first quiet moment. Until a model has one, it has no queue figure.
 
     A window with requests in flight but too few tokens to tell a rate (one long answer not
     streamed, whose tokens all come at its end) keeps the model's last figure: it says
@@ -197,22 +208,22 @@ class QueueGauge:
         out: float | None = None
         for m in models:
             key = (m.model_id, m.port)
+            if m.e2e_tokens >= MIN_TOKENS and m.e2e_s > 0:
+                self._best[key] = max(self._best.get(key, 0.0), m.e2e_tokens / m.e2e_s)
+            best = self._best.get(key)
             if m.mean_in_flight < MIN_IN_FLIGHT:
                 busy = 0.0
-            elif m.window_tokens >= MIN_TOKENS:
-                rate = m.tokens_per_s / m.mean_in_flight
-                if rate > self._best.get(key, 0.0):
-                    self._best[key] = rate
-                busy = _cap(1 - rate / self._best[key])
+            elif best and m.window_tokens >= MIN_TOKENS:
+                busy = _cap(1 - m.tokens_per_s / m.mean_in_flight / best)
             else:
                 busy = self._last.get(key, 0.0)
             self._last[key] = busy
-            if key in self._best:
+            if best:
                 out = busy if out is None else max(out, busy)
         return out
 
     def best(self) -> dict[tuple[int, int], float]:
-        """The best rate per (model_id, port), tokens/s per request."""
+        """The best rate per (model_id, port), output tokens per second in the server."""
         return dict(self._best)
 
 

@@ -296,8 +296,9 @@ static __always_inline void end_answer(struct lm_ctx *c, struct lm_flow_state *s
                                        int timed) {
     if (!(st->aflags & LM_A_ACTIVE))
         return;
+    u64 e2e = timed ? seg_time(c) - st->ans_start : 0;
     if (timed)
-        sample(c, st, LM_HK_E2E, seg_time(c) - st->ans_start, 1);
+        sample(c, st, LM_HK_E2E, e2e, 1);
     if ((st->aflags & LM_A_ERROR) && outcome == LM_OUT_COMPLETE)
         outcome = LM_OUT_ERROR;
     struct lm_req_stats *v = req_stats(st->ans_model, c->flow.server_port, st->ans_ep);
@@ -310,6 +311,11 @@ static __always_inline void end_answer(struct lm_ctx *c, struct lm_flow_state *s
         }
         if (st->in_tokens)
             __sync_fetch_and_add(&v->prompt_tokens, st->in_tokens);
+        if (timed) {
+            __sync_fetch_and_add(&v->e2e_ns, e2e);
+            __sync_fetch_and_add(&v->e2e_tokens,
+                                 (st->aflags & LM_A_USAGE) ? st->out_tokens : st->events);
+        }
     }
     if (st->tail != st->head)
         st->head++;

@@ -182,7 +182,9 @@ struct lm_hist_key {
 
 /* Per model, serving port and endpoint: how requests ended and the tokens their usage
  * objects reported. Output tokens of streams without usage come from their data: events
- * (the TTFT and ITL samples); usage_events says how many of those the usage replaces. */
+ * (the TTFT and ITL samples); usage_events says how many of those the usage replaces.
+ * e2e_ns and e2e_tokens give, over the answers whose end was seen, the time a request
+ * spends in the server per output token: the same figure whether it streamed or not. */
 struct lm_req_key {
     __u64 model_id;
     __u16 port;
@@ -196,6 +198,8 @@ struct lm_req_stats {
     __u64 usage_events;  /* the data: events of those answers */
     __u64 output_tokens; /* from usage */
     __u64 prompt_tokens; /* from usage */
+    __u64 e2e_ns;        /* request's first byte to answer's last, over the answers timed so */
+    __u64 e2e_tokens;    /* their output tokens (usage, else data: events) */
 };
 
 struct lm_model_name {

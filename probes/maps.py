@@ -125,6 +125,8 @@ class RequestStats(NamedTuple):
     usage_events: int = 0  # the data: events of those answers
     output_tokens: int = 0  # from usage
     prompt_tokens: int = 0  # from usage
+    e2e_ns: int = 0  # first byte to last, summed over the answers whose end was seen
+    e2e_tokens: int = 0  # the output tokens of those answers
 
 
 class InFlight(NamedTuple):

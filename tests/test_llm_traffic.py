@@ -156,8 +156,7 @@ class Probed:
                 out[ENDPOINTS[ep], status] = out.get((ENDPOINTS[ep], status), 0) + d
         return out
 
-    def ended(self, snap: MapSnapshot, model: str) -> dict[str, int]:
-        """Ended requests by outcome, and the usage tokens, over every endpoint and port."""
+    def _requests(self, snap: MapSnapshot, model: str) -> dict[str, int]:
         mid = model_id(model)
         total: dict[str, int] = {}
         for key, stats in snap.requests.items():
@@ -169,6 +168,17 @@ class Probed:
                 if d:
                     total[name] = total.get(name, 0) + d
         return total
+
+    def ended(self, snap: MapSnapshot, model: str) -> dict[str, int]:
+        """Ended requests by outcome, and the usage tokens, over every endpoint and port."""
+        return {k: v for k, v in self._requests(snap, model).items()
+                if k not in ("e2e_ns", "e2e_tokens")}
+
+    def timed(self, snap: MapSnapshot, model: str) -> tuple[int, float]:
+        """Of the answers whose end was seen: their output tokens, and their summed
+        first-byte-to-last-byte seconds."""
+        total = self._requests(snap, model)
+        return total.get("e2e_tokens", 0), total.get("e2e_ns", 0) / 1e9
 
     def events(self, snap: MapSnapshot, model: str) -> int:
         return sum(self.hist(snap, model, TTFT).values()) + sum(self.hist(snap, model, ITL).values())
@@ -182,6 +192,15 @@ def assert_close(probe_ms: float, client_s: float, what: str) -> None:
     client_ms = client_s * 1000
     assert abs(probe_ms - client_ms) <= 0.05 * client_ms + 0.5, (
         f"{what}: probes {probe_ms:.2f} ms, client {client_ms:.2f} ms")
+
+
+def assert_time_in_server(timed: tuple[int, float], tokens: int, e2es: list[float]) -> None:
+    """The queue's rate: the answers' tokens, exactly, and their summed times in the server
+    as their clients measured them."""
+    probe_tokens, probe_s = timed
+    assert probe_tokens == tokens
+    assert abs(probe_s - sum(e2es)) <= 0.05 * sum(e2es), (
+        f"time in server: probes {probe_s:.4f} s, clients {sum(e2es):.4f} s")
 
 
 def run_threads(n: int, work: Callable[[int], None]) -> None:
@@ -249,6 +268,7 @@ def test_streamed_latencies_match_the_clients(env: Env, client: str) -> None:
     assert probed.percentile_ms(snap, model, TTFB, 0.99) < nearest_rank(ttfts, 0.01) * 1000 / 2
     # one event per chunk the client took (the role chunk included)
     assert probed.events(snap, model) == sum(len(t.events) for t in timings)
+    assert_time_in_server(probed.timed(snap, model), sum(len(t.events) for t in timings), e2es)
     assert probed.errors(snap) == {}
 
 
@@ -267,6 +287,7 @@ def test_non_streamed_latency_is_the_whole_answer(env: Env) -> None:
     ended = probed.ended(snap, model)
     assert ended["output_tokens"] == 10 * (5 + 9 + 13) and ended["usage_answers"] == 30
     assert ended["prompt_tokens"] > 0 and ended["complete"] == 30
+    assert_time_in_server(probed.timed(snap, model), 10 * (5 + 9 + 13), e2es)
 
 
 def test_usage_gives_the_exact_tokens_of_a_stream(env: Env) -> None:

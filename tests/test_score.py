@@ -176,17 +176,27 @@ def test_bad_config_is_refused(make) -> None:
 
 @dataclass(frozen=True)
 class Rates:
+    """A window: output tokens per second, requests in flight on average and, of the
+    answers that ended in it, their tokens and summed seconds in the server."""
+
     tokens_per_s: float
     mean_in_flight: float
+    e2e_tokens: int = 0
+    e2e_s: float = 0.0
     window_tokens: int = 10 * MIN_TOKENS
     model_id: int = 1
     port: int = 8000
 
 
+def quiet(rate: float = 50.0, **kw: int) -> Rates:
+    """One request at a time at `rate` tokens/s: ten answers of 64 tokens ended."""
+    return Rates(rate, 1.0, e2e_tokens=640, e2e_s=640 / rate, **kw)
+
+
 def test_queue_is_the_share_of_the_best_rate_per_request_that_is_lost() -> None:
     gauge = QueueGauge()
     assert gauge.update([Rates(0.0, 0.0)]) is None  # nothing known yet
-    assert gauge.update([Rates(50.0, 1.0)]) == 0.0  # one request, 50 tokens/s: the best
+    assert gauge.update([quiet()]) == 0.0  # one request, 50 tokens/s: the best
     assert gauge.update([Rates(400.0, 8.0)]) == 0.0  # a full batch of 8 at that rate
     # 16 in flight for the same 400 tokens/s: half of them wait
     assert gauge.update([Rates(400.0, 16.0)]) == pytest.approx(0.5)
@@ -195,9 +205,24 @@ def test_queue_is_the_share_of_the_best_rate_per_request_that_is_lost() -> None:
     assert gauge.best() == {(1, 8000): 50.0}
 
 
+def test_the_best_comes_from_ended_answers_not_from_lumpy_windows() -> None:
+    """Answers not streamed: a window that caught more of their ends than its share shows
+    a rate above the truth; the ended answers' own times do not."""
+    gauge = QueueGauge()
+    gauge.update([Rates(64.0, 1.0, e2e_tokens=640, e2e_s=12.8)])  # lucky: 64 tokens/s
+    assert gauge.best() == {(1, 8000): 50.0}
+    assert gauge.update([Rates(400.0, 16.0)]) == pytest.approx(0.5)
+
+
+def test_no_queue_figure_before_a_best() -> None:
+    gauge = QueueGauge()
+    assert gauge.update([Rates(400.0, 16.0)]) is None  # loaded from the start: no best yet
+    assert gauge.update([Rates(400.0, 16.0, e2e_tokens=640, e2e_s=25.6)]) == 0.0
+
+
 def test_queue_is_the_busiest_models_and_each_model_has_its_own_best() -> None:
     gauge = QueueGauge()
-    gauge.update([Rates(100.0, 1.0, model_id=1), Rates(10.0, 1.0, model_id=2)])
+    gauge.update([quiet(100.0, model_id=1), quiet(10.0, model_id=2)])
     assert gauge.update([Rates(400.0, 8.0, model_id=1),
                          Rates(10.0, 4.0, model_id=2)]) == pytest.approx(0.75)
 
@@ -205,14 +230,16 @@ def test_queue_is_the_busiest_models_and_each_model_has_its_own_best() -> None:
 def test_a_window_with_too_few_tokens_keeps_the_last_figure() -> None:
     """One long answer not streamed: its tokens come at its end, the window holds none."""
     gauge = QueueGauge()
-    gauge.update([Rates(50.0, 1.0)])
+    gauge.update([quiet()])
     assert gauge.update([Rates(100.0, 4.0)]) == pytest.approx(0.5)
     assert gauge.update([Rates(0.0, 3.0, window_tokens=0)]) == pytest.approx(0.5)
 
 
-@given(st.floats(1, 1e4), st.floats(0.5, 1e3), st.floats(0, 1e4), st.floats(0.5, 1e3))
-def test_queue_stays_in_0_1(t1: float, n1: float, t2: float, n2: float) -> None:
+@given(st.floats(1, 1e4), st.floats(0.5, 1e3), st.floats(0, 1e4), st.floats(0.5, 1e3),
+       st.integers(0, 10**6), st.floats(0, 1e4))
+def test_queue_stays_in_0_1(t1: float, n1: float, t2: float, n2: float, tokens: int,
+                            seconds: float) -> None:
     gauge = QueueGauge()
-    for rates in (Rates(t1, n1), Rates(t2, n2)):
+    for rates in (Rates(t1, n1, tokens, seconds), Rates(t2, n2, tokens, seconds)):
         q = gauge.update([rates])
         assert q is None or 0.0 <= q <= 1.0

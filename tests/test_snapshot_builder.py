@@ -29,6 +29,8 @@ class Figures:
     tokens_per_s: float = 0.0
     window_tokens: int = 0
     mean_in_flight: float = 0.0
+    e2e_tokens: int = 0
+    e2e_s: float = 0.0
 
 
 class Clocks:
@@ -151,7 +153,7 @@ def test_score_is_smoothed_and_drives_the_state() -> None:
     assert idle.state is State.OK and idle.score == 0.0
     clocks.tick(0)
     quiet = Figures(1, waiting=0, running=1, tokens_per_s=50.0, window_tokens=500,
-                    mean_in_flight=1.0)
+                    mean_in_flight=1.0, e2e_tokens=500, e2e_s=10.0)
     b.build(host(0.0), gpus(0), [quiet])  # the model's best rate per request: 50 tokens/s
     # then 128 in flight for next to no tokens: nearly all of them wait
     hot = dict(host=host(1.0), gpus=gpus(100),

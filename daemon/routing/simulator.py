@@ -114,6 +114,8 @@ class _Figures(NamedTuple):
     tokens_per_s: float
     window_tokens: int
     mean_in_flight: float
+    e2e_tokens: int
+    e2e_s: float
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -161,7 +163,8 @@ class _Server:
         figures = _Figures(mid, 8000, self.completed_in_tick / config.tick_s, 0.0,
                            _percentile(latencies, 0.5), _percentile(latencies, 0.99),
                            len(self.queue), self.busy, math.nan, math.nan,
-                           tokens / config.window_s, tokens, float(self.in_system))
+                           tokens / config.window_s, tokens, float(self.in_system), tokens,
+                           sum(latencies) / 1000)
         self.completed_in_tick = 0
         gpus = [GpuLoad(g, util, 73_728, 81_920, 60, 400, 700, 0, 1, True) for g in range(self.gpus)]
         snap, new, _ = self.builder.build(HostLoad(0.2, 200_000, 1_000_000, 4.0, None), gpus, [figures])
