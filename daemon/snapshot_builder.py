@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from daemon.score import (
+    ModelRates,
     QueueGauge,
     ScoreConfig,
     ScoreSmoother,
@@ -36,13 +37,10 @@ from gossip.snapshot import (
 log = logging.getLogger(__name__)
 
 
-class ModelFigures(Protocol):
-    """What the probes reader reports per (model, serving port) each tick."""
+class ModelFigures(ModelRates, Protocol):
+    """What the probes reader reports per (model, serving port) each tick: the queue's
+    rates and the figures the snapshot carries."""
 
-    @property
-    def model_id(self) -> int: ...
-    @property
-    def port(self) -> int: ...
     @property
     def rps(self) -> float: ...
     @property
@@ -59,16 +57,6 @@ class ModelFigures(Protocol):
     def ttft_p99_ms(self) -> float: ...
     @property
     def itl_p99_ms(self) -> float: ...
-    @property
-    def tokens_per_s(self) -> float: ...
-    @property
-    def window_tokens(self) -> int: ...
-    @property
-    def mean_in_flight(self) -> float: ...
-    @property
-    def e2e_tokens(self) -> int: ...
-    @property
-    def e2e_s(self) -> float: ...
 
 
 def _bounded(value: float, hi: float) -> float:

@@ -18,7 +18,11 @@ What the figures are (docs/probes.md has the wire side):
 - outcomes (complete, error, aborted, truncated, unanswered) since the start;
 - output tokens: a stream's data: events as they pass, replaced at the answer's end by its
   usage object's count when one passed; tokens/s over the window;
-- waiting and running, from the connections' state at the last poll.
+- waiting and running, from the connections' state at the last poll; requests in flight
+  on average over the window;
+- over the answers that ended in the window with their end seen: their output tokens and
+  summed first-byte-to-last-byte times, a request's rate in the server whether it
+  streamed or not (the load score's queue learns its best from it).
 """
 
 from __future__ import annotations

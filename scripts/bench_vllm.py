@@ -282,9 +282,15 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
         "tokens": {"loadmesh": lm_tokens, "vllm": vllm_tokens, "seconds": elapsed},
         "score": statistics.median(s[1] for s in snaps) if snaps else None,
         "score_range": [min(s[1] for s in snaps), max(s[1] for s in snaps)] if snaps else None,
-        "states": sorted({s[2] for s in snaps}),
+        "states": {state: round(sum(s[2] == state for s in snaps) / len(snaps), 3)
+                   for state in sorted({s[2] for s in snaps})},
         "probe_errors": {k: v for k, v in report["errors"].items() if v},
     }
+
+
+def states_text(shares: dict[str, float]) -> str:
+    """The states the snapshot was in, with the share of the samples in each."""
+    return ", ".join(f"{state} {share:.0%}" for state, share in shares.items()) or "-"
 
 
 def fmt(v: float | None, digits: int = 1) -> str:
@@ -318,11 +324,11 @@ def print_report(results: list[dict[str, Any]], args: argparse.Namespace) -> Non
               f"{tk['loadmesh'] / tk['vllm'] if tk['vllm'] else math.nan:.3f}")
         lo, hi = r["score_range"] or (math.nan, math.nan)
         print(f"  load score median {fmt(r['score'], 3)} (range {lo:.3f}-{hi:.3f}), "
-              f"state {', '.join(r['states'])}; probe errors {r['probe_errors'] or 'none'}")
+              f"states {states_text(r['states'])}; probe errors {r['probe_errors'] or 'none'}")
     if len(results) == 2 and all(r["score"] for r in results):
         a, b = (r["score"] for r in results)
         print(f"\nscore not streamed / streamed: {b / a:.3f} (goal within 10%); states "
-              f"{results[0]['states']} / {results[1]['states']}")
+              f"{states_text(results[0]['states'])} / {states_text(results[1]['states'])}")
 
 
 def main() -> None:

@@ -56,19 +56,21 @@ def test_agent_fingerprints_real_traffic(make_agent, run_dir: Path) -> None:
             for status in statuses:
                 assert post(url, model, status) == status
 
-        def seen() -> dict[str, dict]:
-            return {m["model"]: m for m in cli_json("dump", "--socket", sock)["models"]}
+        def seen() -> tuple[dict[str, dict], list[dict]]:
+            report = cli_json("dump", "--socket", sock)
+            return {m["model"]: m for m in report["models"]}, report["flows"]
 
+        # the model rows follow every poll (0.25 s), the flow table one poll in four
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            models = seen()
-            if all(models.get(m, {}).get("requests") == len(s) for m, s in sent.items()):
+            models, flows = seen()
+            if (all(models.get(m, {}).get("requests") == len(s) for m, s in sent.items())
+                    and {f["model"] for f in flows} >= set(sent)):
                 break
             time.sleep(0.3)
-        models = seen()
+        models, flows = seen()
         assert models["e2e-llama"]["status"] == {"200": 7, "429": 1}
         assert models["e2e-qwen"]["status"] == {"200": 3, "500": 2}
-        flows = cli_json("dump", "--socket", sock)["flows"]
         assert {f["model"] for f in flows} >= {"e2e-llama", "e2e-qwen"}
         assert all(f["dst"].endswith(f":{PORT}") for f in flows if f["model"].startswith("e2e-"))
         human = subprocess.run([LOADMESH, "dump", "--socket", sock], capture_output=True,

@@ -335,3 +335,20 @@ def test_outcomes_and_aborts_are_counted_under_their_model(fake: FakeProbes) -> 
     assert row["outcomes"] == {"complete": 1, "error": 1, "aborted": 3, "truncated": 0,
                                "unanswered": 0}
     assert row["error_ratio"] == pytest.approx(1 / 3, abs=1e-4)  # a stream error of 3 answers
+
+
+def test_time_in_the_server_of_the_answers_that_ended_in_the_window(fake: FakeProbes) -> None:
+    """The queue's rate: the ended answers' tokens over their summed first-to-last-byte
+    times, per (model, port), embeddings left out, and gone with the window."""
+    r = FingerprintReader(fake, window_s=2)
+    t = time.monotonic()
+    r.poll(t)
+    fake.ended(L, complete=3, e2e_ns=3 * 1_500 * MS, e2e_tokens=192)
+    fake.ended(L, endpoint=EMBEDDINGS, complete=5, e2e_ns=5 * 40 * MS)
+    r.poll(t + 1)
+    (stats,) = r.model_stats()
+    assert (stats.e2e_tokens, stats.e2e_s) == (192, pytest.approx(4.5))
+    for i in range(2, 5):
+        r.poll(t + i)
+    (stats,) = r.model_stats()
+    assert (stats.e2e_tokens, stats.e2e_s) == (0, 0.0)
