@@ -28,6 +28,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from probes import ProbeSet
 
 _ROOT = Path(__file__).resolve().parent.parent
 _counter = itertools.count()
@@ -245,6 +249,29 @@ def attached(ifname: str, ns: Netns | None = None) -> list[str]:
         out += [f"tc {direction} {f['kind']} {f['options'].get('bpf_name', '')}"
                 for f in tc_filters(ifname, direction, ns)]
     return out + [f"qdisc {k}" for k in qdisc_kinds(ifname, ns) if k == "clsact"]
+
+
+@contextlib.contextmanager
+def probes_on(ifname: str, ports: Sequence[int]) -> Iterator[ProbeSet]:
+    """The probes started on ifname for `ports`, stopped on every way out, and nothing of
+    theirs left on the interface's hooks after. Where they cannot load the test is skipped,
+    but not as root (CI): there a skip would hide a broken probe."""
+    import pytest
+
+    from probes import ProbeSet, ProbeUnavailable
+
+    probes = ProbeSet([ifname], list(ports))
+    try:
+        probes.start()
+    except ProbeUnavailable as exc:
+        if os.geteuid() == 0:
+            raise
+        pytest.skip(f"probes unavailable: {exc}")
+    try:
+        yield probes
+    finally:
+        probes.stop()
+        assert attached(ifname) == []
 
 
 def _del_link(name: str, where: Netns) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ import openai
 import pytest
 
 import nettopo
-from probes import ProbeSet, ProbeUnavailable, abi, buckets
+from probes import ProbeSet, abi, buckets
 from probes.maps import MapSnapshot
 from probes.model_id import model_id
 
@@ -57,20 +56,9 @@ def env() -> Iterator[Env]:
             topo.ns.popen(SERVER + ["--port", str(PORT), "--step-ms", "20",
                                     "--prefill-ms", "30", "--slots", "64"], ready="ready"), \
             topo.ns.popen(SERVER + ["--port", str(SLOW_PORT), "--step-ms", "250",
-                                    "--slots", "8", "--max-waiting", "12"], ready="ready"):
-        probes = ProbeSet([topo.host_if], [PORT, SLOW_PORT])
-        try:
-            probes.start()
-        except ProbeUnavailable as exc:
-            # As root (CI) the probes must load: a skip there would hide a broken probe.
-            if os.geteuid() == 0:
-                raise
-            pytest.skip(f"probes unavailable: {exc}")
-        try:
-            yield Env(topo, probes)
-        finally:
-            probes.stop()
-            assert nettopo.attached(topo.host_if) == []
+                                    "--slots", "8", "--max-waiting", "12"], ready="ready"), \
+            nettopo.probes_on(topo.host_if, [PORT, SLOW_PORT]) as probes:
+        yield Env(topo, probes)
 
 
 # ---- what the clients measure ----

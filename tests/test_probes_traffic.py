@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import socket
 import struct
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import nettopo
-from probes import FingerprintReader, ProbeSet, ProbeUnavailable, abi, buckets
+from probes import FingerprintReader, ProbeSet, abi, buckets
 from probes.model_id import model_id
 from probes.maps import MapSnapshot, format_ip
 
@@ -45,21 +44,9 @@ class Env:
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
     with nettopo.veth_netns() as topo, \
-            topo.ns.popen(SERVER + ["--port", str(PORT)], ready="ready"):
-        probes = ProbeSet([topo.host_if], [PORT])
-        try:
-            probes.start()
-        except ProbeUnavailable as exc:
-            # As root (CI) the probes must load: a skip there would hide a broken probe.
-            if os.geteuid() == 0:
-                raise
-            pytest.skip(f"probes unavailable: {exc}")
-        try:
-            yield Env(topo, probes)
-        finally:
-            probes.stop()
-            # nothing of ours may outlive the probes
-            assert nettopo.attached(topo.host_if) == []
+            topo.ns.popen(SERVER + ["--port", str(PORT)], ready="ready"), \
+            nettopo.probes_on(topo.host_if, [PORT]) as probes:
+        yield Env(topo, probes)
 
 
 # ---- a raw HTTP/1.1 client ----
