@@ -475,7 +475,7 @@ static __always_inline int model_scan(struct __sk_buff *skb, struct lm_scratch *
     }
     if (from < 0) {
         carry = 0;
-        f = find_token(s, a, lim, n, final, '"', 'm', KEY7, LOW(7), 0, 7, iters);
+        f = find_token(s, a, lim, n, final, KEY7, LOW(7), 7, iters);
         if (f.at >= 0)
             from = f.at + 7;
     }
@@ -851,8 +851,7 @@ static __always_inline int status_scan(struct __sk_buff *skb, struct lm_scratch 
         c->pos = c->len;
         return -1;
     }
-    struct found f = find_token(s, 0, n, n, c->pos + n >= c->len, 'H', 'T', HTTP7, LOW(7), 0, 7,
-                                WIN_ITERS);
+    struct found f = find_token(s, 0, n, n, c->pos + n >= c->len, HTTP7, LOW(7), 7, WIN_ITERS);
     if (f.at >= 0)
         return c->pos + f.at;
     c->pos += f.stop;
@@ -1161,7 +1160,7 @@ static __always_inline int usage_step(struct __sk_buff *skb, struct lm_scratch *
     u32 n = load_win(skb, s, c->ufrom, c->uto);
     if (!n)
         return c->uafter;
-    struct found f = find_token(s, 0, n, n, 1, '"', 'u', USAGE7, LOW(7), 0, 7, WIN_ITERS);
+    struct found f = find_token(s, 0, n, n, 1, USAGE7, LOW(7), 7, WIN_ITERS);
     u32 out = 0, in = 0;
     int got = f.at >= 0 ? parse_usage(s, f.at, n, &out, &in) : 0;
     if (in)

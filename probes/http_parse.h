@@ -326,36 +326,34 @@ struct found {
     u32 stop; /* first token start not examined (when not found) */
 };
 
-/* Looks for a token of up to 8 bytes (key, its bytes beyond `mask` zero) starting in
- * win[a..lim). Candidates are the bytes equal to one of its bytes (`byte`, `back` bytes
- * into the token) and, when `next` is not 0, followed by `next`: found 8 at a time with a
- * has-zero-byte test on the word and on the word one byte on, then checked as one masked
- * 8-byte compare. A pair of bytes keeps candidates rare whatever the text: a body of
- * "mmmm..." has no '"m', and one candidate per byte would take one iteration per byte. `need` bytes from the token's start must be in the window for the caller
- * to use a match; fewer, and the match counts as cut by the window end. final: no byte
- * follows win[n-1] in this segment, so a cut token is not worth a reload. Loop bounds go
- * through the scratch so the verifier walks the loop once, not once per range the
- * callers' paths give them. iters bounds the loop: the verifier walks every iteration, so
- * a search over a head window takes fewer than one over a body window. */
+/* Looks for a token of 2 to 8 bytes (key, its bytes beyond `mask` zero) starting in
+ * win[a..lim). Candidates are where the token's first two bytes stand, found 8 at a time
+ * with a has-zero-byte test on the word and on the word one byte on (a pair keeps them
+ * rare whatever the text: a body of "mmmm..." holds no '"m', and a candidate per byte
+ * would take an iteration per byte), each checked as one masked 8-byte compare. `need`
+ * bytes from the token's start must be in the window for the caller to use a match;
+ * fewer, and the match counts as cut by the window end. final: no byte follows win[n-1]
+ * in this segment, so a cut token is not worth a reload. Loop bounds go through the
+ * scratch so the verifier walks the loop once, not once per range the callers' paths give
+ * them. iters bounds the loop: the verifier walks every iteration, so a search over a
+ * head window takes fewer than one over a body window. */
 static __always_inline struct found find_token(struct lm_scratch *s, u32 a, u32 lim, u32 n,
-                                               int final, u64 byte, u64 next, u64 key,
-                                               u64 mask, u32 back, u32 need,
+                                               int final, u64 key, u64 mask, u32 need,
                                                const int iters) {
     const u8 *w = s->win;
     struct lm_ctx *c = &s->c;
-    c->lim = lim + back; /* candidates at or past it start no token before lim */
+    c->lim = lim; /* candidates at or past it start no token before lim */
     c->n = n;
     c->stop = ~0U; /* stays so only when the loop runs out of iterations */
-    c->cur = a + back;
+    c->cur = a;
     for (int i = 0; i < iters; i++) {
         u32 p = LOAD(c->cur);
         if (p >= LOAD(c->lim)) {
             c->stop = lim;
             break;
         }
-        u64 t = has_byte(brd64(w, p), byte * ONES);
-        if (next)
-            t &= has_byte(brd64(w, p + 1), next * ONES);
+        u64 t = has_byte(brd64(w, p), (key & 0xff) * ONES) &
+                has_byte(brd64(w, p + 1), (key >> 8 & 0xff) * ONES);
         if (!t) {
             c->cur = p + 8;
             continue;
@@ -365,20 +363,20 @@ static __always_inline struct found find_token(struct lm_scratch *s, u32 a, u32 
             c->stop = lim;
             break;
         }
-        if (q - back + need > LOAD(c->n)) {
+        if (q + need > LOAD(c->n)) {
             /* a token cut by the window end: resume from it, unless nothing follows */
-            c->stop = final ? lim : q - back;
+            c->stop = final ? lim : q;
             break;
         }
-        if ((brd64(w, q - back) & mask) == key) {
-            struct found f = {.at = q - back, .stop = q - back};
+        if ((brd64(w, q) & mask) == key) {
+            struct found f = {.at = q, .stop = q};
             return f;
         }
         c->cur = q + 1;
     }
     struct found f = {.at = -1, .stop = LOAD(c->stop)};
     if (f.stop == ~0U)
-        f.stop = LOAD(c->cur) - back;
+        f.stop = LOAD(c->cur);
     return f;
 }
 
