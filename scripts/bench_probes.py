@@ -43,6 +43,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +56,7 @@ import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get clea
 
 from daemon.probes_component import POLL_S  # noqa: E402
 from probes import FingerprintReader, MapSizes, ProbeSet, abi, buckets  # noqa: E402
+from probes.maps import MapSnapshot  # noqa: E402
 from probes.model_id import model_id  # noqa: E402
 
 PORT = 8080
@@ -170,27 +174,57 @@ def probe_p99_ms(before: dict, after: dict) -> float | None:
     return None if p is None else p / 1e6
 
 
-def cost_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float) -> dict:
-    """(a) and (c): one wrk run with the probes attached and BPF statistics on."""
+@dataclass
+class KernelTime:
+    """What the probes did during a measured block: the run time of all their programs
+    (tail-called steps run inside their entry program), the entry programs' runs, and
+    their maps before and after."""
+
+    run_ns: int = 0
+    runs: int = 0
+    before: MapSnapshot | None = None
+    after: MapSnapshot | None = None
+
+    def counted(self) -> int:
+        assert self.before is not None and self.after is not None
+        return answers(self.after.histograms) - answers(self.before.histograms)
+
+    def errors(self) -> dict[str, int]:
+        assert self.before is not None and self.after is not None
+        old = self.before.errors
+        return {k: v - old[k] for k, v in self.after.errors.items() if v > old[k]}
+
+
+@contextmanager
+def kernel_time(probes: ProbeSet) -> Iterator[KernelTime]:
+    """BPF statistics on (kernel.bpf_stats_enabled) around the block; the result is filled
+    in when it ends."""
+    out = KernelTime()
     stats_before = STATS_SYSCTL.read_text().strip()
     STATS_SYSCTL.write_text("1")
     try:
-        snap0 = probes.read_maps()
+        out.before = probes.read_maps(with_flows=False)
         s0 = probes.prog_stats()
-        res = run_wrk(url, lua, conns, seconds)
+        yield out
         s1 = probes.prog_stats()
-        snap1 = probes.read_maps()
+        out.after = probes.read_maps(with_flows=False)
     finally:
         STATS_SYSCTL.write_text(stats_before)
-    run_ns = sum(s1[k][0] - s0.get(k, (0, 0))[0] for k in s1)
-    runs = sum(s1[k][1] - s0.get(k, (0, 0))[1] for k in s1 if k.startswith("lm_tc_"))
-    res["ns_per_req"] = run_ns / res["requests"]
-    res["ns_per_run"] = run_ns / max(runs, 1)
-    res["runs_per_req"] = runs / res["requests"]
-    res["probe_p99_ms"] = probe_p99_ms(snap0.histograms, snap1.histograms)
-    res["counted"] = answers(snap1.histograms) - answers(snap0.histograms)
-    res["errors"] = {k: v - snap0.errors[k] for k, v in snap1.errors.items()
-                     if v > snap0.errors[k]}
+    out.run_ns = sum(s1[k][0] - s0.get(k, (0, 0))[0] for k in s1)
+    out.runs = sum(s1[k][1] - s0.get(k, (0, 0))[1] for k in s1 if k.startswith("lm_tc_"))
+
+
+def cost_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float) -> dict:
+    """(a) and (c): one wrk run with the probes attached and BPF statistics on."""
+    with kernel_time(probes) as k:
+        res = run_wrk(url, lua, conns, seconds)
+    res["ns_per_req"] = k.run_ns / res["requests"]
+    res["ns_per_run"] = k.run_ns / max(k.runs, 1)
+    res["runs_per_req"] = k.runs / res["requests"]
+    assert k.before is not None and k.after is not None
+    res["probe_p99_ms"] = probe_p99_ms(k.before.histograms, k.after.histograms)
+    res["counted"] = k.counted()
+    res["errors"] = k.errors()
     return res
 
 
@@ -199,33 +233,21 @@ def stream_phase(probes: ProbeSet, url: str, clients: int, seconds: float,
     """(a) with streaming: openai-python clients (tests/llm_clients.py, one process each)
     stream chat completions from the uvicorn + Starlette server (tests/llm_server.py), BPF
     statistics on: kernel time per request and per SSE event."""
-    stats_before = STATS_SYSCTL.read_text().strip()
-    STATS_SYSCTL.write_text("1")
-    try:
-        snap0 = probes.read_maps(with_flows=False)
-        s0 = probes.prog_stats()
-        argv = [sys.executable, str(ROOT / "tests" / "llm_clients.py"), "--url", url,
-                "--model", "bench-stream", "--requests", "1000000", "--seconds", str(seconds),
-                "--max-tokens", str(max_tokens), "--stream"]
+    argv = [sys.executable, str(ROOT / "tests" / "llm_clients.py"), "--url", url,
+            "--model", "bench-stream", "--requests", "1000000", "--seconds", str(seconds),
+            "--max-tokens", str(max_tokens), "--stream"]
+    with kernel_time(probes) as k:
         procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
                  for _ in range(clients)]
         timings = []
         for proc in procs:
             out, _ = proc.communicate(timeout=seconds + 120)
             timings += json.loads(out)
-        s1 = probes.prog_stats()
-        snap1 = probes.read_maps(with_flows=False)
-    finally:
-        STATS_SYSCTL.write_text(stats_before)
-    run_ns = sum(s1[k][0] - s0.get(k, (0, 0))[0] for k in s1)
-    runs = sum(s1[k][1] - s0.get(k, (0, 0))[1] for k in s1 if k.startswith("lm_tc_"))
     requests = len(timings) + clients  # and each client's warm-up
     events = sum(len(t["events"]) for t in timings)
-    return {"requests": requests, "events": events, "ns_per_req": run_ns / requests,
-            "ns_per_event": run_ns / max(events, 1), "runs_per_req": runs / requests,
-            "counted": answers(snap1.histograms) - answers(snap0.histograms),
-            "errors": {k: v - snap0.errors[k] for k, v in snap1.errors.items()
-                       if v > snap0.errors[k]}}
+    return {"requests": requests, "events": events, "ns_per_req": k.run_ns / requests,
+            "ns_per_event": k.run_ns / max(events, 1), "runs_per_req": k.runs / requests,
+            "counted": k.counted(), "errors": k.errors()}
 
 
 def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float) -> dict:
