@@ -430,11 +430,13 @@ class FingerprintReader:
         out = []
         for (model, port), keys in sorted(groups.items(), key=lambda kv: (
                 model_name(kv[0][0], snap.models), kv[0][1])):
-            figs = [self._figures[k] for k in keys if k in self._figures]
+            keyed = [(k, self._figures[k]) for k in keys if k in self._figures]
+            figs = [f for _, f in keyed]
+            timed = [f for k, f in keyed if k[2] != EP_EMBEDDINGS]  # they decode no tokens
             status: dict[int, int] = {}
             window: dict[int, int] = {}
             hist: list[dict[int, int]] = [{} for _ in KINDS]
-            errors = tokens = e2e_tokens = e2e_ns = 0
+            errors = tokens = 0
             for f in figs:
                 buckets.add_into(status, f.status)
                 buckets.add_into(window, f.window_status)
@@ -442,10 +444,6 @@ class FingerprintReader:
                     buckets.add_into(hist[kind], counts)
                 errors += f.window_errors
                 tokens += f.window_tokens
-            for k in keys:
-                if k[2] != EP_EMBEDDINGS and k in self._figures:
-                    e2e_tokens += self._figures[k].window_e2e_tokens
-                    e2e_ns += self._figures[k].window_e2e_ns
             n = sum(window.values())
             fives = sum(c for s, c in window.items() if 500 <= s <= 599)
             flight = [snap.inflight.get(k, InFlight(0, 0)) for k in keys]
@@ -471,8 +469,8 @@ class FingerprintReader:
                 output_tokens=sum(f.output_tokens for f in figs),
                 window_tokens=max(0, tokens),
                 mean_in_flight=self._window_flight.get((model, port), 0.0) / span if span else 0.0,
-                e2e_tokens=max(0, e2e_tokens),
-                e2e_s=max(0, e2e_ns) / 1e9,
+                e2e_tokens=max(0, sum(f.window_e2e_tokens for f in timed)),
+                e2e_s=max(0, sum(f.window_e2e_ns for f in timed)) / 1e9,
             ))
         return tuple(out)
 
