@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
-from metrics_helpers import free_port  # noqa: E402
+from metrics_helpers import free_port, wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from daemon.client import Client  # noqa: E402
@@ -125,25 +124,17 @@ def process(argv: list[str], log: Path, **kw: Any) -> Iterator[subprocess.Popen[
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        nettopo.stop_process(proc, grace=20)
 
 
-def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def answering(check: Callable[[], bool]) -> Callable[[], bool]:
+    """check, with a server that is not listening yet counted as not ready."""
+    def attempt() -> bool:
         try:
-            if predicate():
-                return
+            return check()
         except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{what}: not after {timeout:.0f} s")
+            return False
+    return attempt
 
 
 def agent_ready(sock: str) -> bool:
@@ -372,8 +363,8 @@ def main() -> None:
                         work / "agent.log"):
             print(f"bench_vllm: starting vLLM (about 2 minutes; log {work}/vllm.log)",
                   file=sys.stderr)
-            wait_until(lambda: MODEL in get(f"{url}/v1/models", 5), 600, "vLLM")
-            wait_until(lambda: agent_ready(sock), 60, "the agent")
+            wait_for(answering(lambda: MODEL in get(f"{url}/v1/models", 5)), 600, "vLLM")
+            wait_for(answering(lambda: agent_ready(sock)), 60, "the agent")
             results = [phase("streamed", url, sock, metrics_port, args, stream=True),
                        phase("not streamed", url, sock, metrics_port, args, stream=False)]
     print_report(results, args)
