@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
+from llm_clients import nearest_rank  # noqa: E402
 from metrics_helpers import free_port, wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -109,11 +110,8 @@ def histogram_quantile(q: float, before: Histogram, after: Histogram) -> float |
     return None
 
 
-def nearest_rank(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1] * 1000
+def nearest_rank_ms(values: list[float], q: float) -> float | None:
+    return nearest_rank(values, q) * 1000 if values else None
 
 
 @contextmanager
@@ -242,7 +240,7 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
     for kind in ("ttft", "itl", "e2e"):
         latency[kind] = {
             q: {"loadmesh": row["latency"][kind][f"p{q}"],
-                "client": nearest_rank(client[kind], int(q) / 100),
+                "client": nearest_rank_ms(client[kind], int(q) / 100),
                 "vllm_hq": histogram_quantile(int(q) / 100,
                                               histogram(vllm0, VLLM_KINDS[kind]),
                                               histogram(vllm1, VLLM_KINDS[kind])),

@@ -27,6 +27,12 @@ import httpx
 import openai
 
 
+def nearest_rank(values: list[float], q: float) -> float:
+    """The q-quantile of a stopwatch's values by nearest rank, as the probes give theirs."""
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
+
+
 def measure(url: str, model: str, requests: int, *, stream: bool, max_tokens: int = 16,
             client: str = "openai", include_usage: bool = False, prompt: str = "hello",
             ignore_eos: bool = False, seconds: float | None = None,

@@ -13,7 +13,6 @@ model names, so its counts are exact whatever ran before it.
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import openai
 import pytest
 
 import nettopo
+from llm_clients import nearest_rank
 from probes import ProbeSet, abi, buckets
 from probes.maps import MapSnapshot
 from probes.model_id import model_id
@@ -97,11 +97,6 @@ def openai_client(env: Env, timings: list[Timing], port: int = PORT,
                   **kw: object) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{env.url(port)}/v1", api_key="sk-test", max_retries=0,
                          http_client=stamping_client(timings, **kw))
-
-
-def nearest_rank(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
 
 
 # ---- what the probes say ----

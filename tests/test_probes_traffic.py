@@ -9,7 +9,6 @@ the module. No timing is asserted; latencies are compared with what the client m
 from __future__ import annotations
 
 import json
-import math
 import random
 import socket
 import struct
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import nettopo
+from llm_clients import nearest_rank
 from probes import FingerprintReader, ProbeSet, abi, buckets
 from probes.model_id import model_id
 from probes.maps import MapSnapshot, format_ip
@@ -156,11 +156,6 @@ class Counts:
     def errors(self, snap: MapSnapshot) -> dict[str, int]:
         return {k: v - self.before.errors[k] for k, v in snap.errors.items()
                 if v != self.before.errors[k]}
-
-
-def nearest_rank(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
 
 
 # ---- tests ----
