@@ -46,6 +46,7 @@
 #define STEP_CLOSE 4 /* lm_close: the connection ended */
 #define STEP_USAGE 5 /* lm_usage: an answer's "usage" object */
 #define STEP_NONE -1
+#define AFTER_END 6 /* lm_ctx.uafter only: lm_usage ends the answer, then goes on */
 #define NOWHERE 0xffffffffU
 /* lm_ctx.kind: what a data: event is */
 #define EV_TOKEN 0
@@ -121,6 +122,7 @@ static __always_inline u64 seg_time(struct lm_ctx *c) {
 /* Copies payload bytes [pos, min(end, pos + LM_WIN)) into the window; returns how many. */
 static __always_inline u32 load_win(struct __sk_buff *skb, struct lm_scratch *s, u32 pos,
                                     u32 end) {
+    s->c.wlen = 0; /* what resp_head copied is overwritten */
     if (pos >= end)
         return 0;
     u64 n = end - pos;
@@ -138,6 +140,7 @@ static __always_inline u32 load_win(struct __sk_buff *skb, struct lm_scratch *s,
 /* The same, up to a body window (LM_BWIN). */
 static __always_inline u32 load_bwin(struct __sk_buff *skb, struct lm_scratch *s, u32 pos,
                                      u32 end) {
+    s->c.wlen = 0; /* what resp_head copied is overwritten */
     if (pos >= end)
         return 0;
     u64 n = end - pos;
@@ -297,8 +300,17 @@ static __always_inline void end_answer(struct lm_ctx *c, struct lm_flow_state *s
     if (!(st->aflags & LM_A_ACTIVE))
         return;
     u64 e2e = timed ? seg_time(c) - st->ans_start : 0;
+    u8 kind = LM_HK_E2E;
+    if (st->aflags & LM_A_TTFB) {
+        /* resp_head put the ttfb off (event_ns: the head's time): one sample for both
+         * when the answer ended at that same instant */
+        if (timed && c->now == st->event_ns)
+            kind = LM_HIST_TTFB_E2E;
+        else
+            sample(c, st, LM_HK_TTFB, st->event_ns - st->ans_start, 1);
+    }
     if (timed)
-        sample(c, st, LM_HK_E2E, e2e, 1);
+        sample(c, st, kind, e2e, 1);
     if ((st->aflags & LM_A_ERROR) && outcome == LM_OUT_COMPLETE)
         outcome = LM_OUT_ERROR;
     struct lm_req_stats *v = req_stats(st->ans_model, c->flow.server_port, st->ans_ep);
@@ -806,7 +818,14 @@ static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s
             st->out_tokens = 0;
             st->in_tokens = 0;
             record_flow(c, st->ans_model, status, now - st->ans_start);
-            sample(c, st, LM_HK_TTFB, now - st->ans_start, 1);
+            if (h.len && h.has_clen && !h.chunked && at + h.len + h.clen <= c->len) {
+                /* the whole answer is in this segment: end_answer samples its ttfb with
+                 * its e2e, the same figure */
+                st->aflags |= LM_A_TTFB;
+                st->event_ns = now;
+            } else {
+                sample(c, st, LM_HK_TTFB, now - st->ans_start, 1);
+            }
         }
     }
     if (status == 101) {
@@ -820,7 +839,14 @@ static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s
         lose_resp(st);
         return STEP_NONE;
     }
-    st->resp_win = h.len + 16 < LM_WIN ? h.len + 16 : LM_WIN;
+    c->wbase = at;
+    c->wlen = n;
+    /* the next head's copy: this one and some slack, and the body of a JSON answer when
+     * all of it fits, for its usage object (a longer one has its tail copied alone) */
+    u32 want = h.len + 16;
+    if (h.ctype == CT_JSON && h.has_clen && want + h.clen <= LM_WIN)
+        want += h.clen;
+    st->resp_win = want < LM_WIN ? want : LM_WIN;
     u32 body = at + h.len;
     st->flags = (st->flags | LM_F_RESP_FRAMED) & ~LM_F_RESP_CHUNKED;
     if (no_body || status == 204 || status == 304) {
@@ -858,8 +884,30 @@ static __always_inline int status_scan(struct __sk_buff *skb, struct lm_scratch 
     return -1;
 }
 
+/* The token counts of the usage object in win[a..n), if one is there. */
+static __always_inline void read_usage(struct lm_scratch *s, struct lm_flow_state *st, u32 a,
+                                       u32 n) {
+    int at = rfind_usage(s, a, n);
+    u32 out = 0, in = 0;
+    int got = at >= 0 ? parse_usage(s, at, n, &out, &in) : 0;
+    if (in)
+        st->in_tokens = in; /* an embedding's usage has prompt tokens only */
+    if (got) {
+        st->out_tokens = out;
+        st->aflags |= LM_A_USAGE;
+    }
+}
+
+/* The answer ends at c->aend, complete; returns the next step. */
+static __always_inline int answer_done(struct lm_ctx *c, struct lm_flow_state *st) {
+    end_answer(c, st, LM_OUT_COMPLETE, 1);
+    c->pos = c->aend;
+    return c->aend < c->len ? STEP_RESP : STEP_NONE;
+}
+
 /* Has lm_usage search payload bytes [from, to) of this segment for a "usage" object, then
- * go on with step `after`. Its own program: entered from one state, the verifier walks the
+ * go on with step `after` (AFTER_END: end the answer at c->aend first, and go on from
+ * there: a JSON answer's end then costs no tail call back to lm_resp). Its own program: entered from one state, the verifier walks the
  * search and the parse once, where inline they would be walked once per path before them. */
 static __always_inline int usage_next(struct lm_ctx *c, u32 from, u32 to, int after) {
     c->ufrom = from;
@@ -925,16 +973,20 @@ static __always_inline int resp_step(struct __sk_buff *skb, struct lm_scratch *s
         return STEP_SSE;
     if (c->aend == NOWHERE)
         return STEP_NONE;
-    if ((st->aflags & (LM_A_JSON | LM_A_SSE)) == LM_A_JSON && !c->tailed && c->aend > c->pos) {
-        /* the usage object sits in a JSON answer's last bytes */
-        c->tailed = 1;
+    if ((st->aflags & (LM_A_JSON | LM_A_SSE)) == LM_A_JSON && c->aend > c->pos) {
+        /* the usage object sits in a JSON answer's last bytes: lm_usage reads it and ends
+         * the answer */
         u32 from = c->aend > c->pos + LM_USAGE_TAIL ? c->aend - LM_USAGE_TAIL : c->pos;
-        return usage_next(c, from, c->aend, STEP_RESP);
+        u32 wb = c->wbase;
+        if (from >= wb && c->aend <= wb + c->wlen) {
+            /* the head's window holds it (resp_win asks for the whole of a short answer):
+             * read here, no copy and no tail call */
+            read_usage(s, st, from - wb, c->aend - wb);
+            return answer_done(c, st);
+        }
+        return usage_next(c, from, c->aend, AFTER_END);
     }
-    c->tailed = 0;
-    end_answer(c, st, LM_OUT_COMPLETE, 1);
-    c->pos = c->aend;
-    return c->aend < c->len ? STEP_RESP : STEP_NONE;
+    return answer_done(c, st);
 }
 
 /* The state of the connection a response-direction step works on (lm_resp, lm_sse); the
@@ -950,7 +1002,7 @@ static __always_inline struct lm_flow_state *resp_enter(struct __sk_buff *skb,
     }
     if (c->steps == 0) {
         c->hopped = 0;
-        c->tailed = 0;
+        c->wlen = 0;
         if (!(st->flags & LM_F_RESP_SYNCED)) {
             if (!is_status_line(peek8(skb, c, 0)))
                 return 0;
@@ -1026,17 +1078,17 @@ static __always_inline void count_events(struct lm_scratch *s, u32 n, int final)
      * segment, what tells [DONE] or an error apart */
     c->lim = final ? 6 : 16;
     c->vlen = final ? n : 0; /* where a cut search stops: the end, or the cut token */
-    c->cur = LOAD(c->zero);
     c->stop = NOWHERE;
+    u32 zero = LOAD(c->zero);
+    u32 p = zero;
     for (int i = 0; i < BWIN_ITERS; i++) {
-        u32 p = LOAD(c->cur);
         if (p >= LOAD(c->n)) {
             c->stop = p;
             break;
         }
         u64 t = has_byte(brd64(w, p), '\n' * ONES);
         if (!t) {
-            c->cur = p + 8;
+            p = (p + 8) ^ zero;
             continue;
         }
         u32 q = p + first_flagged(t);
@@ -1046,14 +1098,15 @@ static __always_inline void count_events(struct lm_scratch *s, u32 n, int final)
             c->stop = LOAD(c->vlen) ? LOAD(c->vlen) : q;
             break;
         }
-        c->cur = q + 1;
+        p = (q + 1) ^ zero;
         if ((brd64(w, q) & LOW(6)) != DATA6)
             continue;
-        c->cur = q + 6;
+        p = (q + 6) ^ zero;
         STORE(c->tokens, LOAD(c->tokens) + 1);
         STORE(c->prev, LOAD(c->last));
         STORE(c->last, q + 6);
     }
+    c->cur = p;
 }
 
 /* One window of a streamed answer's body, up to its end in this segment: its data: events
@@ -1137,11 +1190,12 @@ static __always_inline int sse_step(struct __sk_buff *skb, struct lm_scratch *s,
         sample(c, st, LM_HK_ITL, 0, tokens - 1);
     st->event_ns = now;
     st->events += tokens;
-    /* a usage object rides in the window's last token event, if anywhere */
-    if (LOAD(c->last) == NOWHERE)
+    /* a usage object rides at the end of the window's last token event, if anywhere */
+    u32 last_ev = LOAD(c->last);
+    if (last_ev == NOWHERE || ends_without_usage(s, n))
         return next;
-    u32 from = wbase + LOAD(c->last);
-    return usage_next(c, from, from + LM_WIN < wbase + n ? from + LM_WIN : wbase + n, next);
+    u32 from = last_ev + LM_WIN < n ? n - LM_WIN : last_ev;
+    return usage_next(c, wbase + from, wbase + n, next);
 }
 
 int lm_sse(struct __sk_buff *skb) {
@@ -1158,18 +1212,9 @@ static __always_inline int usage_step(struct __sk_buff *skb, struct lm_scratch *
                                       struct lm_flow_state *st) {
     struct lm_ctx *c = &s->c;
     u32 n = load_win(skb, s, c->ufrom, c->uto);
-    if (!n)
-        return c->uafter;
-    struct found f = find_token(s, 0, n, n, 1, USAGE7, LOW(7), 7, WIN_ITERS);
-    u32 out = 0, in = 0;
-    int got = f.at >= 0 ? parse_usage(s, f.at, n, &out, &in) : 0;
-    if (in)
-        st->in_tokens = in; /* an embedding's usage has prompt tokens only */
-    if (got) {
-        st->out_tokens = out;
-        st->aflags |= LM_A_USAGE;
-    }
-    return c->uafter;
+    if (n)
+        read_usage(s, st, 0, n);
+    return c->uafter == AFTER_END ? answer_done(c, st) : c->uafter;
 }
 
 int lm_usage(struct __sk_buff *skb) {

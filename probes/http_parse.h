@@ -82,11 +82,12 @@ struct lm_ctx {
     __u8 hhas;
     __u8 hchunked;
     __u32 hclen;
+    __u32 wbase; /* the window holds payload bytes [wbase, wbase + wlen) (resp_head) */
+    __u32 wlen;
     __u32 ufrom; /* lm_usage: the payload bytes to search for "usage", */
     __u32 uto;
     __s8 uafter; /* and the step after it */
     __u8 hopped; /* this segment's chunk lines were followed */
-    __u8 tailed; /* this segment's JSON answer's tail went to lm_usage */
     __u8 dir;    /* STEP_REQ: the segment goes to the server; STEP_RESP: from it */
 };
 
@@ -342,12 +343,12 @@ static __always_inline struct found find_token(struct lm_scratch *s, u32 a, u32 
                                                const int iters) {
     const u8 *w = s->win;
     struct lm_ctx *c = &s->c;
+    u32 zero = LOAD(c->zero);
     c->lim = lim; /* candidates at or past it start no token before lim */
     c->n = n;
     c->stop = ~0U; /* stays so only when the loop runs out of iterations */
-    c->cur = a;
+    u32 p = a ^ zero;
     for (int i = 0; i < iters; i++) {
-        u32 p = LOAD(c->cur);
         if (p >= LOAD(c->lim)) {
             c->stop = lim;
             break;
@@ -355,7 +356,7 @@ static __always_inline struct found find_token(struct lm_scratch *s, u32 a, u32 
         u64 t = has_byte(brd64(w, p), (key & 0xff) * ONES) &
                 has_byte(brd64(w, p + 1), (key >> 8 & 0xff) * ONES);
         if (!t) {
-            c->cur = p + 8;
+            p = (p + 8) ^ zero;
             continue;
         }
         u32 q = p + first_flagged(t);
@@ -372,12 +373,77 @@ static __always_inline struct found find_token(struct lm_scratch *s, u32 a, u32 
             struct found f = {.at = q, .stop = q};
             return f;
         }
-        c->cur = q + 1;
+        p = (q + 1) ^ zero;
     }
+    c->cur = p;
     struct found f = {.at = -1, .stop = LOAD(c->stop)};
     if (f.stop == ~0U)
         f.stop = LOAD(c->cur);
     return f;
+}
+
+/* Window offset of the last `"usage"` key in win[a..n), or -1. A top-level usage object
+ * comes after the content (OpenAI, vLLM, SGLang and TGI write it after "choices", or
+ * "data" for embeddings), so the search starts at the end and goes back a word at a time;
+ * a string cannot hold those 7 bytes (its quotes are escaped). Candidates are the '"u'
+ * pairs, as in find_token; those of one word are compared lowest first, one per
+ * iteration. */
+static __always_inline int rfind_usage(struct lm_scratch *s, u32 a, u32 n) {
+    const u8 *w = s->win;
+    struct lm_ctx *c = &s->c;
+    if (n < a + 8)
+        return -1;
+    u32 zero = LOAD(c->zero);
+    c->lim = a;
+    c->n = n;
+    c->stop = ~0U;
+    u32 p = (n - 8) ^ zero;
+    u64 t = 0; /* the candidates of the word at p not yet compared */
+    for (int i = 0; i < WIN_ITERS; i++) {
+        if (!t)
+            t = has_byte(brd64(w, p), '"' * ONES) & has_byte(brd64(w, p + 1), 'u' * ONES);
+        if (t) {
+            u32 q = p + first_flagged(t);
+            t &= t - 1;
+            if (q >= LOAD(c->lim) && q + 7 <= LOAD(c->n) &&
+                (brd64(w, q) & LOW(7)) == USAGE7) {
+                c->stop = q;
+                break;
+            }
+            if (t)
+                continue;
+        }
+        u32 lo = LOAD(c->lim);
+        if (p <= lo)
+            break;
+        p = (p > lo + 8 ? p - 8 : lo) ^ zero;
+    }
+    u32 at = LOAD(c->stop);
+    return at == ~0U ? -1 : (int)at;
+}
+
+/* Whether the event that ends win[0..n) closes without a usage object: its JSON ends
+ * right after "choices" (`]}`, vLLM and SGLang leave usage out of a chunk without it) or
+ * with `"usage":null}` (OpenAI), then the event's blank line and perhaps a chunk's CRLF.
+ * Spares the usage search for all the events of a stream but the last. */
+static __always_inline int ends_without_usage(struct lm_scratch *s, u32 n) {
+    const u8 *w = s->win;
+    struct lm_ctx *c = &s->c;
+    c->cur = n;
+    for (int i = 0; i < 6; i++) {
+        u32 p = LOAD(c->cur);
+        if (p < 3)
+            return 0;
+        u8 ch = brd8(w, p - 1);
+        if (ch != '\n' && ch != '\r')
+            break;
+        c->cur = p - 1;
+    }
+    u32 p = LOAD(c->cur);
+    if (p == n || p < 3)
+        return 0; /* the event may go on past the window */
+    u8 a = brd8(w, p - 2), b = brd8(w, p - 1);
+    return b == '}' && (a == ']' || a == 'l');
 }
 
 /* Bytes of a token at the start of the window (1 to klen - 1) whose first part ended the
@@ -399,17 +465,17 @@ static __always_inline u32 bridged(struct lm_scratch *s, u64 tail, u32 n, u64 ke
     return LOAD(s->c.cur);
 }
 
-/* Position after up to 4 JSON spaces from v; through the scratch so every count of spaces
- * leaves the verifier with the same state. */
+/* Position after up to 4 JSON spaces from v; XOR-ed with the scratch's zero, so every
+ * count of spaces leaves the verifier with the same state. */
 static __always_inline u32 skip_space(struct lm_scratch *s, u32 v, u32 n) {
-    s->c.cur = v;
+    u32 zero = LOAD(s->c.zero);
+    u32 p = v ^ zero;
     for (int i = 0; i < 4; i++) {
-        u32 p = LOAD(s->c.cur);
         if (p >= n || !json_space(brd8(s->win, p)))
             break;
-        s->c.cur = p + 1;
+        p = (p + 1) ^ zero;
     }
-    return LOAD(s->c.cur);
+    return p;
 }
 
 /* ---- the "model" value ---- */
@@ -523,21 +589,21 @@ static __always_inline int parse_usage(struct lm_scratch *s, u32 u, u32 n, u32 *
     v = skip_space(s, v + 1, n);
     if (v >= n || brd8(w, v) != '{') /* "usage": null */
         return 0;
-    c->cur = v + 1;
+    u32 zero = LOAD(c->zero);
+    u32 p = (v + 1) ^ zero;
     c->lim = v + 256 < n ? v + 256 : n;
     c->out_at = 0;
     c->in_at = 0;
     for (int i = 0; i < 48; i++) {
-        u32 p = LOAD(c->cur);
-        if (p + 16 > LOAD(c->lim))
+        if (p + 16 > LOAD(c->lim) || (LOAD(c->in_at) && LOAD(c->out_at)))
             break;
         u64 t = has_byte(brd64(w, p), '_' * ONES);
         if (!t) {
-            c->cur = p + 8;
+            p = (p + 8) ^ zero;
             continue;
         }
         u32 q = p + first_flagged(t); /* a '_', at least 8 bytes after the "usage" key */
-        c->cur = q + 1;
+        p = (q + 1) ^ zero;
         if ((brd64(w, q + 1) & LOW(7)) != C8('t', 'o', 'k', 'e', 'n', 's', '"', 0))
             continue;
         u64 before = brd64(w, q - 7);

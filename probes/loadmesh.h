@@ -55,6 +55,10 @@
 #define LM_HK_ITL 2  /* between consecutive data: events of a stream */
 #define LM_HK_E2E 3  /* to the answer's last byte */
 #define LM_HK_COUNT 4
+/* lm_hist_key.kind of one sample that counts for both LM_HK_TTFB and LM_HK_E2E: an answer
+ * whose first and last bytes pass in one segment has one latency, recorded with one map
+ * update where two would be. probes/maps.py splits it back into the two kinds. */
+#define LM_HIST_TTFB_E2E 4
 
 /* How a request ended (lm_req_stats.outcomes). */
 #define LM_OUT_COMPLETE 0   /* its answer ended where its framing said */
@@ -102,6 +106,7 @@
 #define LM_A_JSON 64   /* Content-Type: application/json: its tail may hold "usage" */
 #define LM_A_CARRY 128 /* sse_carry holds the last 7 bytes searched for "\ndata:" */
 #define LM_A_DONE 256  /* data: [DONE] passed */
+#define LM_A_TTFB 512  /* its ttfb sample is put off to its end, due in the head's segment */
 
 /* A TCP connection as seen from the server: IPv4 addresses are stored IPv4-mapped
  * (::ffff:a.b.c.d) so both families share one key. Ports in host byte order. */

@@ -259,6 +259,8 @@ class MapReader:
         hist = bpf[b"histograms"]
         self._hist_key = abi.codec(hist.Key)
         self._hist = _Batch(lib, hist.map_fd, ctypes.sizeof(hist.Key), 8, hist.max_entries)
+        self._ttfb, self._e2e = abi.const("LM_HK_TTFB"), abi.const("LM_HK_E2E")
+        self._ttfb_e2e = abi.const("LM_HIST_TTFB_E2E")
         req = bpf[b"requests"]
         self._req_key = abi.codec(req.Key)
         self._req_val = abi.codec(req.Leaf)
@@ -324,12 +326,21 @@ class MapReader:
         return key
 
     def histograms(self) -> dict[HistKey, int]:
+        """Samples per (model, port, endpoint, kind, status, bucket); one of kind
+        LM_HIST_TTFB_E2E counts as a ttfb and an e2e sample."""
         keys, values, n = self._hist.read()
         kc = self._hist_key
         pick = itemgetter(*(kc.index(f) for f in ("model_id", "port", "endpoint", "kind",
                                                     "status", "bucket")))
         counts = values.cast("B").cast("Q")[:n]
-        return dict(zip(map(pick, kc.struct.iter_unpack(keys)), counts))
+        out = dict(zip(map(pick, kc.struct.iter_unpack(keys)), counts))
+        both = [key for key in out if key[3] == self._ttfb_e2e]
+        for key in both:
+            count = out.pop(key)
+            for kind in (self._ttfb, self._e2e):
+                k = (*key[:3], kind, *key[4:])
+                out[k] = out.get(k, 0) + count
+        return out
 
     def requests(self) -> dict[EndpointKey, RequestStats]:
         keys, values, _ = self._req.read()
