@@ -4,7 +4,7 @@ VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 CONFIG  ?=
 
-.PHONY: setup run test bench bench-vllm clean
+.PHONY: setup run test bench bench-probe-steps bench-vllm clean
 
 setup:
 	bash scripts/setup.sh
@@ -18,6 +18,11 @@ test: setup
 bench:
 	bash scripts/setup.sh --bench
 	$(PYTHON) scripts/bench_probes.py
+
+# The probes' kernel time per kind of segment, by BPF_PROG_TEST_RUN: no network stack, so
+# steady enough to weigh a change to the C probes (seconds, no tools beyond setup).
+bench-probe-steps: setup
+	$(PYTHON) scripts/bench_probe_steps.py
 
 # A real vLLM on this CPU, loaded until it queues: loadmesh's figures beside vLLM's own and
 # the clients'. The first run installs vLLM into /var/tmp/loadmesh-vllm (minutes, 3.5 GB).

@@ -229,12 +229,15 @@ static __always_inline void sample(struct lm_ctx *c, struct lm_flow_state *st, u
         err(LM_ERR_HIST_FULL);
 }
 
-/* The flow's row: one more answer of this model and status, with its time to first byte. */
-static __always_inline void record_flow(struct lm_ctx *c, u64 model, u16 status, u64 lat) {
+/* The connection's flow row moves to `fingerprints`, added to what an earlier row of the
+ * same model and status left there. */
+static __always_inline void flush_row(struct lm_ctx *c, struct lm_flow_state *st) {
+    if (!st->row_count)
+        return;
     struct lm_fp_key k = {};
     __builtin_memcpy(&k.flow, &c->flow, sizeof(k.flow));
-    k.model_id = model;
-    k.status = status;
+    k.model_id = st->row_model;
+    k.status = st->row_status;
     struct lm_fp_val *v = fingerprints.lookup(&k);
     if (!v) {
         struct lm_fp_val zero = {};
@@ -242,14 +245,35 @@ static __always_inline void record_flow(struct lm_ctx *c, u64 model, u16 status,
         v = fingerprints.lookup(&k);
     }
     if (v) {
-        v->count += 1;
-        v->lat_sum_ns += lat;
-        if (lat > v->lat_max_ns)
-            v->lat_max_ns = lat;
-        v->last_ns = c->now;
+        v->count += st->row_count;
+        v->lat_sum_ns += st->row_lat_sum_ns;
+        if (st->row_lat_max_ns > v->lat_max_ns)
+            v->lat_max_ns = st->row_lat_max_ns;
+        if (st->row_last_ns > v->last_ns)
+            v->last_ns = st->row_last_ns;
     } else {
         err(LM_ERR_FP_FULL);
     }
+    st->row_count = 0;
+}
+
+/* The flow's row: one more answer of this model and status, with its time to first byte.
+ * Counted in the connection's state while its answers keep to one model and status. */
+static __always_inline void record_flow(struct lm_ctx *c, struct lm_flow_state *st, u64 model,
+                                        u16 status, u64 lat) {
+    if (st->row_count && (st->row_model != model || st->row_status != status))
+        flush_row(c, st);
+    if (!st->row_count) {
+        st->row_model = model;
+        st->row_status = status;
+        st->row_lat_sum_ns = 0;
+        st->row_lat_max_ns = 0;
+    }
+    st->row_count++;
+    st->row_lat_sum_ns += lat;
+    if (lat > st->row_lat_max_ns)
+        st->row_lat_max_ns = lat;
+    st->row_last_ns = c->now;
 }
 
 static __always_inline struct lm_req_stats *req_stats(u64 model, u16 port, u8 ep) {
@@ -340,8 +364,8 @@ static __always_inline void end_answer(struct lm_ctx *c, struct lm_flow_state *s
  * still queued end with it, by who ended it first. A client's FIN ends its requests too:
  * HTTP clients do not half-close, they close when they give up (a timeout, a stream read
  * no further), and the answers that may still come are for no one. The state goes when
- * nothing more can come (RST, or the server's FIN); until then an answer to no request is
- * expected, not an error. */
+ * nothing more can come (RST, or the server's FIN), its flow row to `fingerprints`; until
+ * then an answer to no request is expected, not an error. */
 static __always_inline void close_flow(struct lm_ctx *c, struct lm_flow_state *st,
                                        int from_client) {
     if (!c->rst)
@@ -369,8 +393,10 @@ static __always_inline void close_flow(struct lm_ctx *c, struct lm_flow_state *s
     st->overflow = 0;
     /* what the server may still send belongs to no request: nothing to frame */
     st->flags &= ~(LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED);
-    if (c->rst || !from_client)
+    if (c->rst || !from_client) {
+        flush_row(c, st);
         inflight.delete(&c->flow);
+    }
 }
 
 /* Every step ends here: the next step of the segment, if any, then the connection's end
@@ -817,7 +843,7 @@ static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s
             st->events = 0;
             st->out_tokens = 0;
             st->in_tokens = 0;
-            record_flow(c, st->ans_model, status, now - st->ans_start);
+            record_flow(c, st, st->ans_model, status, now - st->ans_start);
             if (h.len && h.has_clen && !h.chunked && at + h.len + h.clen <= c->len) {
                 /* the whole answer is in this segment: end_answer samples its ttfb with
                  * its e2e, the same figure */
@@ -841,12 +867,17 @@ static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s
     }
     c->wbase = at;
     c->wlen = n;
-    /* the next head's copy: this one and some slack, and the body of a JSON answer when
-     * all of it fits, for its usage object (a longer one has its tail copied alone) */
+    /* The next head's copy: this one and some slack, and the body of a JSON answer when
+     * all of it fits, for its usage object (a longer one has its tail copied alone). Other
+     * answers only widen it: a copy stops at the segment's end, so a head alone in its
+     * segment (a stream's, say) costs no more for it. */
     u32 want = h.len + 16;
     if (h.ctype == CT_JSON && h.has_clen && want + h.clen <= LM_WIN)
         want += h.clen;
-    st->resp_win = want < LM_WIN ? want : LM_WIN;
+    if (want > LM_WIN)
+        want = LM_WIN;
+    if (h.ctype == CT_JSON || want > st->resp_win)
+        st->resp_win = want;
     u32 body = at + h.len;
     st->flags = (st->flags | LM_F_RESP_FRAMED) & ~LM_F_RESP_CHUNKED;
     if (no_body || status == 204 || status == 304) {
@@ -906,9 +937,10 @@ static __always_inline int answer_done(struct lm_ctx *c, struct lm_flow_state *s
 }
 
 /* Has lm_usage search payload bytes [from, to) of this segment for a "usage" object, then
- * go on with step `after` (AFTER_END: end the answer at c->aend first, and go on from
- * there: a JSON answer's end then costs no tail call back to lm_resp). Its own program: entered from one state, the verifier walks the
- * search and the parse once, where inline they would be walked once per path before them. */
+ * go on with step `after` (AFTER_END: end the answer at c->aend first and go on from there,
+ * so a JSON answer's end costs no tail call back to lm_resp). Its own program: entered from
+ * one state, the verifier walks the search and the parse once, where inline they would be
+ * walked once per path before them. */
 static __always_inline int usage_next(struct lm_ctx *c, u32 from, u32 to, int after) {
     c->ufrom = from;
     c->uto = to;
@@ -974,13 +1006,12 @@ static __always_inline int resp_step(struct __sk_buff *skb, struct lm_scratch *s
     if (c->aend == NOWHERE)
         return STEP_NONE;
     if ((st->aflags & (LM_A_JSON | LM_A_SSE)) == LM_A_JSON && c->aend > c->pos) {
-        /* the usage object sits in a JSON answer's last bytes: lm_usage reads it and ends
-         * the answer */
+        /* the usage object sits in a JSON answer's last bytes: read here when the head's
+         * window holds them, else by lm_usage, which then ends the answer */
         u32 from = c->aend > c->pos + LM_USAGE_TAIL ? c->aend - LM_USAGE_TAIL : c->pos;
         u32 wb = c->wbase;
         if (from >= wb && c->aend <= wb + c->wlen) {
-            /* the head's window holds it (resp_win asks for the whole of a short answer):
-             * read here, no copy and no tail call */
+            /* resp_win asks for the whole of a short answer: no copy, no tail call */
             read_usage(s, st, from - wb, c->aend - wb);
             return answer_done(c, st);
         }
@@ -1078,17 +1109,17 @@ static __always_inline void count_events(struct lm_scratch *s, u32 n, int final)
      * segment, what tells [DONE] or an error apart */
     c->lim = final ? 6 : 16;
     c->vlen = final ? n : 0; /* where a cut search stops: the end, or the cut token */
+    c->cur = LOAD(c->zero);
     c->stop = NOWHERE;
-    u32 zero = LOAD(c->zero);
-    u32 p = zero;
     for (int i = 0; i < BWIN_ITERS; i++) {
+        u32 p = LOAD(c->cur);
         if (p >= LOAD(c->n)) {
             c->stop = p;
             break;
         }
         u64 t = has_byte(brd64(w, p), '\n' * ONES);
         if (!t) {
-            p = (p + 8) ^ zero;
+            c->cur = p + 8;
             continue;
         }
         u32 q = p + first_flagged(t);
@@ -1098,15 +1129,14 @@ static __always_inline void count_events(struct lm_scratch *s, u32 n, int final)
             c->stop = LOAD(c->vlen) ? LOAD(c->vlen) : q;
             break;
         }
-        p = (q + 1) ^ zero;
+        c->cur = q + 1;
         if ((brd64(w, q) & LOW(6)) != DATA6)
             continue;
-        p = (q + 6) ^ zero;
+        c->cur = q + 6;
         STORE(c->tokens, LOAD(c->tokens) + 1);
         STORE(c->prev, LOAD(c->last));
         STORE(c->last, q + 6);
     }
-    c->cur = p;
 }
 
 /* One window of a streamed answer's body, up to its end in this segment: its data: events
@@ -1326,9 +1356,15 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
     f->pad[0] = f->pad[1] = f->pad[2] = 0;
 
     if (th.syn) {
-        /* a new connection on this 5-tuple starts from a clean state */
-        if (dir == STEP_REQ && !th.ack)
-            inflight.delete(f);
+        /* A new connection on this 5-tuple starts from a clean state: the old one, whose
+         * end was missed, ends as if the client had reset it (lm_close). */
+        if (dir == STEP_REQ && !th.ack) {
+            c->fin = 0;
+            c->rst = 1;
+            c->now = 0;
+            c->dir = dir;
+            lm_steps.call(skb, STEP_CLOSE);
+        }
         return PASS;
     }
     u32 poff = l4 + th.doff * 4;

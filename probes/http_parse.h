@@ -465,17 +465,17 @@ static __always_inline u32 bridged(struct lm_scratch *s, u64 tail, u32 n, u64 ke
     return LOAD(s->c.cur);
 }
 
-/* Position after up to 4 JSON spaces from v; XOR-ed with the scratch's zero, so every
- * count of spaces leaves the verifier with the same state. */
+/* Position after up to 4 JSON spaces from v; through the scratch so every count of spaces
+ * leaves the verifier with the same state. */
 static __always_inline u32 skip_space(struct lm_scratch *s, u32 v, u32 n) {
-    u32 zero = LOAD(s->c.zero);
-    u32 p = v ^ zero;
+    s->c.cur = v;
     for (int i = 0; i < 4; i++) {
+        u32 p = LOAD(s->c.cur);
         if (p >= n || !json_space(brd8(s->win, p)))
             break;
-        p = (p + 1) ^ zero;
+        s->c.cur = p + 1;
     }
-    return p;
+    return LOAD(s->c.cur);
 }
 
 /* ---- the "model" value ---- */

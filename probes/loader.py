@@ -286,6 +286,14 @@ class ProbeSet:
                 out[name] = (int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0)))
             return out
 
+    def program_fd(self, name: str) -> int:
+        """The file descriptor of a loaded program (an entry, lm_tc_eth or lm_tc_raw, or a
+        step): for BPF_PROG_TEST_RUN in scripts/bench_probe_steps.py."""
+        with self._lock:
+            if name not in self._progs:
+                raise KeyError(f"no program {name!r} loaded")
+            return self._progs[name].fd
+
     # ---- inside the lock ----
 
     def _start(self) -> None:

@@ -273,6 +273,19 @@ def test_non_streamed_latency_is_the_whole_answer(env: Env) -> None:
     assert_time_in_server(probed.timed(snap, model), 10 * (5 + 9 + 13), e2es)
 
 
+def test_usage_is_read_from_short_and_long_answers_alike(env: Env) -> None:
+    """A short JSON answer's usage is read from the copy of its head (the flow's copy
+    widens to hold the whole answer); one longer than that copy can be (100 tokens: about
+    650 bytes of body) has its last bytes copied for it. Both exact."""
+    model = "usage-lengths"
+    probed = Probed(env.probes)
+    run_clients(env, model, 3, (2, 100), stream=False)
+    snap = probed.after()
+    ended = probed.ended(snap, model)
+    assert ended["output_tokens"] == 3 * (2 + 100) and ended["usage_answers"] == 6
+    assert probed.errors(snap) == {}
+
+
 def test_usage_gives_the_exact_tokens_of_a_stream(env: Env) -> None:
     """With stream_options.include_usage the usage event's completion_tokens replace the
     stream's events (role and usage events are no tokens); without, events count."""

@@ -686,3 +686,15 @@ def test_report_shows_the_traffic(env: Env) -> None:
     assert sorted((r["model"], r["status"], r["count"]) for r in rows) == [
         ("report-model", 200, 1), ("report-model", 503, 1)]
     assert all(r["dst"] == f"{env.topo.ns_v4}:{PORT}" for r in rows)
+
+
+def test_crafted_segments_run_one_by_one_are_counted_exactly() -> None:
+    """scripts/bench_probe_steps.py hands the entry program crafted frames through
+    BPF_PROG_TEST_RUN (keep-alive requests, one-segment JSON answers, streams of chunked
+    SSE events): its figures are of probes that counted every answer and event it sent."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_probe_steps.py"),
+                          "--rounds", "25", "--conns", "3", "--events", "5"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "maps after the runs: ok: 150 answers (sent 150), 300 inter-token gaps (sent 300), " \
+           "errors none" in out.stdout
