@@ -23,10 +23,8 @@ script creates and removes; no packet crosses it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
-import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,14 +34,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
+from crafted import CLIENT, SERVER, Connection, frame, test_run  # noqa: E402
 
 from probes import abi  # noqa: E402
 from probes.maps import MapSnapshot  # noqa: E402
 
 PORT = 8080
-CLIENT, SERVER = bytes([10, 9, 0, 1]), bytes([10, 9, 0, 2])
-BPF_PROG_TEST_RUN = 10
-SYS_BPF = {"x86_64": 321, "aarch64": 280}[os.uname().machine]  # bpf(2)
 
 BODY = (b'{"model": "meta-llama/Llama-3.1-8B-Instruct", "messages": [{"role": "system", '
         b'"content": "You are a helpful assistant."}, {"role": "user", "content": "What is '
@@ -71,73 +67,6 @@ def sse_event(i: int) -> bytes:
     return b"%x\r\n" % len(data) + data + b"\r\n"
 
 
-class TestRunAttr(ctypes.Structure):
-    """union bpf_attr's test member (include/uapi/linux/bpf.h)."""
-
-    _fields_ = [("prog_fd", ctypes.c_uint32), ("retval", ctypes.c_uint32),
-                ("data_size_in", ctypes.c_uint32), ("data_size_out", ctypes.c_uint32),
-                ("data_in", ctypes.c_uint64), ("data_out", ctypes.c_uint64),
-                ("repeat", ctypes.c_uint32), ("duration", ctypes.c_uint32),
-                ("ctx_size_in", ctypes.c_uint32), ("ctx_size_out", ctypes.c_uint32),
-                ("ctx_in", ctypes.c_uint64), ("ctx_out", ctypes.c_uint64),
-                ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32),
-                ("batch_size", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def test_run(prog_fd: int, frame: bytes) -> int:
-    """One run of a TC program on one frame; the kernel's duration of it in ns."""
-    data = ctypes.create_string_buffer(frame, len(frame))
-    out = ctypes.create_string_buffer(len(frame) + 256)
-    attr = TestRunAttr(prog_fd=prog_fd, data_in=ctypes.addressof(data),
-                       data_size_in=len(frame), data_out=ctypes.addressof(out),
-                       data_size_out=len(out), repeat=1)
-    if _libc.syscall(SYS_BPF, BPF_PROG_TEST_RUN, ctypes.byref(attr), ctypes.sizeof(attr)) < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"BPF_PROG_TEST_RUN: {os.strerror(err)}")
-    return attr.duration
-
-
-def _checksum(header: bytes) -> int:
-    total = sum(struct.unpack(f"!{len(header) // 2}H", header))
-    total = (total >> 16) + (total & 0xFFFF)
-    return ~(total + (total >> 16)) & 0xFFFF
-
-
-def frame(src: bytes, dst: bytes, sport: int, dport: int, seq: int, payload: bytes,
-          flags: int = 0x18) -> bytes:
-    """Ethernet + IPv4 + TCP (PSH|ACK unless told) around payload."""
-    tcp = struct.pack("!HHIIBBHHH", sport, dport, seq, 1, 5 << 4, flags, 65535, 0, 0)
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp) + len(payload), 0, 0x4000, 64,
-                     6, 0, src, dst)
-    ip = ip[:10] + struct.pack("!H", _checksum(ip)) + ip[12:]
-    return b"\x02" * 6 + b"\x04" * 6 + b"\x08\x00" + ip + tcp + payload
-
-
-class Connection:
-    """One keep-alive connection's two byte streams: each segment follows the last."""
-
-    def __init__(self, client_port: int) -> None:
-        self.port = client_port
-        self.req_seq = 1000
-        self.resp_seq = 500_000
-
-    def request(self, payload: bytes) -> bytes:
-        f = frame(CLIENT, SERVER, self.port, PORT, self.req_seq, payload)
-        self.req_seq += len(payload)
-        return f
-
-    def answer(self, payload: bytes) -> bytes:
-        f = frame(SERVER, CLIENT, PORT, self.port, self.resp_seq, payload)
-        self.resp_seq += len(payload)
-        return f
-
-    def ack(self) -> bytes:
-        return frame(CLIENT, SERVER, self.port, PORT, self.req_seq, b"", 0x10)
-
-
 KINDS = ("other port", "ACK", "request", "JSON answer", "SSE head", "SSE event", "SSE end")
 
 
@@ -145,7 +74,7 @@ def measure(fd: int, rounds: int, events: int, conns: int) -> dict[str, list[int
     """Per round, on each connection: a request and its JSON answer, an ACK, a frame to a
     port that is not served, then a streamed request: its head, `events` events, its end."""
     times: dict[str, list[int]] = {k: [] for k in KINDS}
-    pool = [Connection(40000 + i) for i in range(conns)]
+    pool = [Connection(40000 + i, PORT) for i in range(conns)]
     other = frame(CLIENT, SERVER, 5555, 9999, 1, b"x" * 100)
 
     def timed(kind: str, f: bytes) -> None:

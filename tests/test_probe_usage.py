@@ -1,0 +1,103 @@
+"""The probes read the token counts of `usage` objects as the servers write them: exact
+bytes (tests/crafted.py) through the real programs and maps by BPF_PROG_TEST_RUN, one
+model per layout, so each layout's counts stand alone in the `requests` map."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+import nettopo
+from crafted import Connection, test_run
+from probes import ProbeSet, abi
+from probes.model_id import model_id
+
+PORT = 8080
+CHAT = abi.endpoint_names().index("chat")
+CONTENT = "Paris is the capital of France."
+
+# name -> (answer body, completion tokens or None, prompt tokens)
+LAYOUTS: dict[str, tuple[bytes, int | None, int]] = {
+    # the OpenAI API: pretty-printed, usage before system_fingerprint
+    "openai-pretty": (json.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "gpt",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": CONTENT},
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 19, "completion_tokens": 10, "total_tokens": 29,
+                  "prompt_tokens_details": {"cached_tokens": 0}},
+        "system_fingerprint": "fp_1"}, indent=2).encode(), 10, 19),
+    # vLLM (pydantic, compact): total before completion, then three more keys
+    "vllm-compact": (b'{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m",'
+                     b'"choices":[{"index":0,"message":{"role":"assistant","content":"Paris."'
+                     b'},"logprobs":null,"finish_reason":"stop","stop_reason":null}],'
+                     b'"service_tier":null,"system_fingerprint":null,"usage":{"prompt_tokens":'
+                     b'9,"total_tokens":25,"completion_tokens":16,"prompt_tokens_details":null'
+                     b'},"prompt_logprobs":null,"prompt_token_ids":null,'
+                     b'"kv_transfer_params":null}', 16, 9),
+    # the Responses API's names, with their _details objects
+    "responses-api": (json.dumps({
+        "id": "resp_1", "object": "response", "status": "completed",
+        "output": [{"type": "message", "content": [{"type": "output_text", "text": CONTENT}]}],
+        "usage": {"input_tokens": 36, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": 87, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": 123}}).encode(), 87, 36),
+    # an embedding: prompt tokens only
+    "embedding": (json.dumps({
+        "object": "list", "data": [{"object": "embedding", "index": 0,
+                                    "embedding": [0.25] * 16}],
+        "model": "e5", "usage": {"prompt_tokens": 8, "total_tokens": 8}}).encode(), None, 8),
+    # a content string that quotes a usage object: its quotes are escaped, so only the
+    # real one counts
+    "quoted-usage": (json.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion",
+        "choices": [{"index": 0, "message": {
+            "role": "assistant",
+            "content": 'it reads "usage": {"completion_tokens": 999} back'}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2}}, separators=(",", ":")).encode(),
+        2, 1),
+    # longer than the head's window (its last 512 bytes are copied for the usage), and a
+    # count of seven digits, the most a count may have
+    "long-answer": (json.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": CONTENT * 40}}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1234567}},
+        separators=(",", ":")).encode(), 1234567, 5),
+}
+
+
+def request(model: str) -> bytes:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "?"}]})
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
+
+
+def answer(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % len(body)) + body
+
+
+@pytest.fixture(scope="module")
+def probes() -> Iterator[ProbeSet]:
+    with nettopo.veth_netns("lmu") as topo, nettopo.probes_on(topo.host_if, [PORT]) as p:
+        yield p
+
+
+def test_usage_objects_as_the_servers_write_them(probes: ProbeSet) -> None:
+    fd = probes.program_fd("lm_tc_eth")
+    for i, (name, (body, _, _)) in enumerate(LAYOUTS.items()):
+        conn = Connection(41000 + i, PORT)
+        for _ in range(3):  # the second answer on a connection has its copy widened
+            test_run(fd, conn.request(request(name)))
+            test_run(fd, conn.answer(answer(body)))
+    snap = probes.read_maps(with_flows=False)
+    assert snap.errors == {k: 0 for k in snap.errors}
+    for name, (_, out, prompt) in LAYOUTS.items():
+        stats = snap.requests[(model_id(name), PORT, CHAT)]
+        assert stats.complete == 3, name
+        assert stats.prompt_tokens == 3 * prompt, name
+        if out is None:
+            assert stats.usage_answers == 0 and stats.output_tokens == 0, name
+        else:
+            assert (stats.usage_answers, stats.output_tokens) == (3, 3 * out), name
