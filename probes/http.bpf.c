@@ -229,15 +229,12 @@ static __always_inline void sample(struct lm_ctx *c, struct lm_flow_state *st, u
         err(LM_ERR_HIST_FULL);
 }
 
-/* The connection's flow row moves to `fingerprints`, added to what an earlier row of the
- * same model and status left there. */
-static __always_inline void flush_row(struct lm_ctx *c, struct lm_flow_state *st) {
-    if (!st->row_count)
-        return;
+/* The flow's row: one more answer of this model and status, with its time to first byte. */
+static __always_inline void record_flow(struct lm_ctx *c, u64 model, u16 status, u64 lat) {
     struct lm_fp_key k = {};
     __builtin_memcpy(&k.flow, &c->flow, sizeof(k.flow));
-    k.model_id = st->row_model;
-    k.status = st->row_status;
+    k.model_id = model;
+    k.status = status;
     struct lm_fp_val *v = fingerprints.lookup(&k);
     if (!v) {
         struct lm_fp_val zero = {};
@@ -245,35 +242,14 @@ static __always_inline void flush_row(struct lm_ctx *c, struct lm_flow_state *st
         v = fingerprints.lookup(&k);
     }
     if (v) {
-        v->count += st->row_count;
-        v->lat_sum_ns += st->row_lat_sum_ns;
-        if (st->row_lat_max_ns > v->lat_max_ns)
-            v->lat_max_ns = st->row_lat_max_ns;
-        if (st->row_last_ns > v->last_ns)
-            v->last_ns = st->row_last_ns;
+        v->count += 1;
+        v->lat_sum_ns += lat;
+        if (lat > v->lat_max_ns)
+            v->lat_max_ns = lat;
+        v->last_ns = c->now;
     } else {
         err(LM_ERR_FP_FULL);
     }
-    st->row_count = 0;
-}
-
-/* The flow's row: one more answer of this model and status, with its time to first byte.
- * Counted in the connection's state while its answers keep to one model and status. */
-static __always_inline void record_flow(struct lm_ctx *c, struct lm_flow_state *st, u64 model,
-                                        u16 status, u64 lat) {
-    if (st->row_count && (st->row_model != model || st->row_status != status))
-        flush_row(c, st);
-    if (!st->row_count) {
-        st->row_model = model;
-        st->row_status = status;
-        st->row_lat_sum_ns = 0;
-        st->row_lat_max_ns = 0;
-    }
-    st->row_count++;
-    st->row_lat_sum_ns += lat;
-    if (lat > st->row_lat_max_ns)
-        st->row_lat_max_ns = lat;
-    st->row_last_ns = c->now;
 }
 
 static __always_inline struct lm_req_stats *req_stats(u64 model, u16 port, u8 ep) {
@@ -364,8 +340,8 @@ static __always_inline void end_answer(struct lm_ctx *c, struct lm_flow_state *s
  * still queued end with it, by who ended it first. A client's FIN ends its requests too:
  * HTTP clients do not half-close, they close when they give up (a timeout, a stream read
  * no further), and the answers that may still come are for no one. The state goes when
- * nothing more can come (RST, or the server's FIN), its flow row to `fingerprints`; until
- * then an answer to no request is expected, not an error. */
+ * nothing more can come (RST, or the server's FIN); until then an answer to no request is
+ * expected, not an error. */
 static __always_inline void close_flow(struct lm_ctx *c, struct lm_flow_state *st,
                                        int from_client) {
     if (!c->rst)
@@ -393,10 +369,8 @@ static __always_inline void close_flow(struct lm_ctx *c, struct lm_flow_state *s
     st->overflow = 0;
     /* what the server may still send belongs to no request: nothing to frame */
     st->flags &= ~(LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED);
-    if (c->rst || !from_client) {
-        flush_row(c, st);
+    if (c->rst || !from_client)
         inflight.delete(&c->flow);
-    }
 }
 
 /* Every step ends here: the next step of the segment, if any, then the connection's end
@@ -843,7 +817,7 @@ static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s
             st->events = 0;
             st->out_tokens = 0;
             st->in_tokens = 0;
-            record_flow(c, st, st->ans_model, status, now - st->ans_start);
+            record_flow(c, st->ans_model, status, now - st->ans_start);
             if (h.len && h.has_clen && !h.chunked && at + h.len + h.clen <= c->len) {
                 /* the whole answer is in this segment: end_answer samples its ttfb with
                  * its e2e, the same figure */

@@ -160,17 +160,6 @@ struct lm_flow_state {
     __u16 aflags;     /* LM_A_* */
     __u8 ans_ep;
     __u8 pad3[7];
-    /* The connection's flow row being counted (row_count > 0): its answers of one model
-     * and status since the row began. It moves to `fingerprints` when an answer of another
-     * model or status comes and when the connection ends, so that most answers cost no map
-     * operation for their row; the reader adds it to the rows it reads there. */
-    __u64 row_model;
-    __u64 row_lat_sum_ns;
-    __u64 row_lat_max_ns;
-    __u64 row_last_ns;
-    __u32 row_count;
-    __u16 row_status;
-    __u8 pad4[2];
 };
 
 struct lm_fp_key {

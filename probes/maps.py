@@ -279,16 +279,6 @@ class MapReader:
         # the rest
         self._infl_queue = _fields_struct(self._infl_val, ("head", "tail", "overflow", "aflags"))
         self._infl_port = _fields_struct(self._infl_key, ("server_port",))
-        # A connection's flow row still counted in its state (lm_flow_state.row_*), and the
-        # rest of its fingerprints key after the flow, which is the inflight key's bytes.
-        self._infl_row = _fields_struct(self._infl_val, (
-            "row_model", "row_lat_sum_ns", "row_lat_max_ns", "row_last_ns", "row_count",
-            "row_status"))
-        self._fp_key_tail = struct.Struct("<QH6x")
-        if (fp.Key.model_id.offset, fp.Key.status.offset, ctypes.sizeof(fp.Key)) != (
-                ctypes.sizeof(infl.Key), ctypes.sizeof(infl.Key) + 8,
-                ctypes.sizeof(infl.Key) + self._fp_key_tail.size):
-            raise TypeError("lm_fp_key: flows() builds it as the flow, model_id, status")
         self._active = abi.const("LM_A_ACTIVE")
         self._streams = abi.const("LM_A_SSE")
         self._first = abi.const("LM_A_FIRST")
@@ -297,21 +287,18 @@ class MapReader:
         """Every map; with_flows False leaves out the flow table, the only map whose read
         grows with the number of connections times the CPUs."""
         mono = time.monotonic_ns()
-        infl = self._infl.read()
         return MapSnapshot(
             mono_ns=mono,
-            flows=self.flows(infl) if with_flows else None,
+            flows=self.flows() if with_flows else None,
             histograms=self.histograms(),
             requests=self.requests(),
             models=self.models(),
             errors=self.errors(),
             ports=self.ports(),
-            inflight=self.inflight(infl),
+            inflight=self.inflight(),
         )
 
-    def flows(self, infl: tuple[memoryview, memoryview, int]) -> FlowTable:
-        """The rows of `fingerprints` and those still counted in the connections' states
-        (infl: the inflight map as read), one row per flow, model and status."""
+    def flows(self) -> FlowTable:
         keys, values, n = self._fp.read()
         ks, ncpu = self._fp.key_size, self._ncpu
         width = len(self._fp_val.fields)
@@ -326,40 +313,8 @@ class MapReader:
         columns = [column("count", sum), column("lat_sum_ns", sum), column("lat_max_ns", max),
                    column("last_ns", max)]
         raw = bytes(keys)
-        rows = [raw[i:i + ks] for i in range(0, n * ks, ks)]
-        self._add_open_rows(rows, columns, infl)
-        return FlowTable(rows, columns, self._decode_flow)
-
-    def _add_open_rows(self, rows: list[bytes], columns: list[list[int]],
-                       infl: tuple[memoryview, memoryview, int]) -> None:
-        """Adds the connections' own rows to those read from `fingerprints`, in C loops but
-        for the rare row whose key is in both (a connection whose answers changed model or
-        status and changed back)."""
-        ikeys, ivalues, n = infl
-        iks = self._infl_key.struct.size
-        model, lat_sum, lat_max, last, count, status = (
-            list(col) for col in zip(*self._infl_row.iter_unpack(ivalues))) if n else ([],) * 6
-        live = list(map(bool, count))
-        flow_keys = bytes(ikeys)
-        flows = compress((flow_keys[i:i + iks] for i in range(0, n * iks, iks)), live)
-        tails = map(self._fp_key_tail.pack, compress(model, live), compress(status, live))
-        new = list(map(bytes.__add__, flows, tails))
-        figures = [list(compress(col, live)) for col in (count, lat_sum, lat_max, last)]
-        known = set(rows)
-        if not known.isdisjoint(new):
-            at = {key: i for i, key in enumerate(rows)}
-            keep = [key not in known for key in new]
-            for j in compress(range(len(new)), map(known.__contains__, new)):
-                i = at[new[j]]
-                columns[0][i] += figures[0][j]
-                columns[1][i] += figures[1][j]
-                columns[2][i] = max(columns[2][i], figures[2][j])
-                columns[3][i] = max(columns[3][i], figures[3][j])
-            new = list(compress(new, keep))
-            figures = [list(compress(col, keep)) for col in figures]
-        rows += new
-        for col, add in zip(columns, figures):
-            col += add
+        return FlowTable([raw[i:i + ks] for i in range(0, n * ks, ks)], columns,
+                         self._decode_flow)
 
     def _decode_flow(self, raw: bytes) -> FlowKey:
         key = self._flow_keys.get(raw)
@@ -411,11 +366,11 @@ class MapReader:
                                        for f in PortStats._fields))
         return out
 
-    def inflight(self, infl: tuple[memoryview, memoryview, int]) -> dict[EndpointKey, InFlight]:
-        """Requests outstanding per (model, serving port, endpoint), from the inflight map as
-        read: the one being answered is running once its answer streams tokens (or, not
-        streamed, has begun), the others wait. Model 0: unknown yet, or none."""
-        keys, values, _ = infl
+    def inflight(self) -> dict[EndpointKey, InFlight]:
+        """Requests outstanding per (model, serving port, endpoint): the one being answered
+        is running once its answer streams tokens (or, not streamed, has begun), the others
+        wait. Model 0: unknown yet, or none."""
+        keys, values, _ = self._infl.read()
         queues = self._infl_queue.iter_unpack(values)
         busy = [i for i, (head, tail, over, _flags) in enumerate(queues) if tail != head or over]
         vc, vs, ks = self._infl_val, self._infl_val.struct.size, self._infl_key.struct.size

@@ -1,6 +1,6 @@
 """Crafted TCP segments for the probes, run one at a time through BPF_PROG_TEST_RUN: the
 real entry program, maps and tail-called steps, fed exact bytes with no network stack
-between. Used by tests/test_probe_usage.py and scripts/bench_probe_steps.py.
+between. Used by tests/test_probe_crafted.py and scripts/bench_probe_steps.py.
 
     conn = Connection(40000)
     ns = test_run(probes.program_fd("lm_tc_eth"), conn.request(b"POST / HTTP/1.1..."))

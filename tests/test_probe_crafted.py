@@ -1,6 +1,7 @@
-"""The probes read the token counts of `usage` objects as the servers write them: exact
-bytes (tests/crafted.py) through the real programs and maps by BPF_PROG_TEST_RUN, one
-model per layout, so each layout's counts stand alone in the `requests` map."""
+"""Exact bytes (tests/crafted.py) through the real programs and maps by BPF_PROG_TEST_RUN:
+the token counts of `usage` objects as the servers write them (one model per layout, so
+each layout's counts stand alone in the `requests` map), and a 5-tuple that a new SYN
+reuses while its old connection still has a state."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 import nettopo
-from crafted import Connection, test_run
+from crafted import CLIENT, SERVER, Connection, frame, test_run
 from probes import ProbeSet, abi
 from probes.model_id import model_id
 
@@ -101,3 +102,19 @@ def test_usage_objects_as_the_servers_write_them(probes: ProbeSet) -> None:
             assert stats.usage_answers == 0 and stats.output_tokens == 0, name
         else:
             assert (stats.usage_answers, stats.output_tokens) == (3, 3 * out), name
+
+
+def test_a_syn_on_a_5_tuple_with_a_state_ends_its_requests_as_aborted(
+        probes: ProbeSet) -> None:
+    """The old connection's end was missed (its FIN and RST lost, say): a new SYN on its
+    5-tuple starts afresh, and the request it still had outstanding counts as aborted,
+    under its model, not silently gone."""
+    fd = probes.program_fd("lm_tc_eth")
+    conn = Connection(42000, PORT)
+    test_run(fd, conn.request(request("syn-reused")))
+    test_run(fd, frame(CLIENT, SERVER, conn.client_port, PORT, 77, b"", 0x02))  # SYN
+    fresh = Connection(42000, PORT)  # the new connection: a request, then its answer
+    test_run(fd, fresh.request(request("syn-reused")))
+    test_run(fd, fresh.answer(answer(LAYOUTS["vllm-compact"][0])))
+    stats = probes.read_maps(with_flows=False).requests[(model_id("syn-reused"), PORT, CHAT)]
+    assert (stats.aborted, stats.complete) == (1, 1)
