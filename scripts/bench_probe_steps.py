@@ -121,9 +121,12 @@ def check_counts(read: Callable[..., MapSnapshot], rounds: int, events: int, con
             f"inter-token gaps (sent {want_gaps}), errors {errors or 'none'}")
 
 
+def quantile(ns: list[int], q: float) -> int:
+    return sorted(ns)[int(len(ns) * q)]
+
+
 def row(name: str, ns: list[int], base: float) -> str:
-    ns = sorted(ns)
-    p10, p50, p90 = (ns[int(len(ns) * q)] for q in (0.1, 0.5, 0.9))
+    p10, p50, p90 = (quantile(ns, q) for q in (0.1, 0.5, 0.9))
     return (f"  {name:12s} median {p50:5d} ns (p10 {p10:5d}, p90 {p90:5d}); "
             f"less the test run's own: {p50 - base:5.0f} ns")
 
@@ -147,7 +150,7 @@ def main() -> int:
     print(f"  {'empty prog':12s} median {base:5.0f} ns: the test run's own share of each figure")
     for kind in KINDS:
         print(row(kind, times[kind], base))
-    med = {k: statistics.median(v) - base for k, v in times.items()}
+    med = {k: quantile(v, 0.5) - base for k, v in times.items()}
     stream = med["request"] + med["SSE head"] + args.events * med["SSE event"] + med["SSE end"]
     print(f"  a non-streamed request (request + JSON answer): "
           f"{med['request'] + med['JSON answer']:.0f} ns; a stream of {args.events} events: "
