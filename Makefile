@@ -4,7 +4,7 @@ VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 CONFIG  ?=
 
-.PHONY: setup run test bench bench-probe-steps bench-vllm clean
+.PHONY: setup run test bench bench-probe-steps bench-vllm bench-fleet clean
 
 setup:
 	bash scripts/setup.sh
@@ -28,6 +28,12 @@ bench-probe-steps: setup
 # the clients'. The first run installs vLLM into /var/tmp/loadmesh-vllm (minutes, 3.5 GB).
 bench-vllm: setup
 	$(PYTHON) scripts/bench_vllm.py
+
+# Five hosts in namespaces, a loadmesh agent on each, the same arrivals routed by loadmesh,
+# round robin, random, a JSQ oracle and sglang-router (installed into /var/tmp/loadmesh-sglang
+# on the first run). About 20 minutes.
+bench-fleet: setup
+	$(PYTHON) scripts/bench_fleet.py --slowdown
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -13,7 +13,11 @@ Endpoints: POST /v1/chat/completions, /v1/completions (stream or not,
 stream_options.include_usage honoured), /v1/embeddings; GET /v1/models, /health, /metrics
 (a few Prometheus lines: a scrape), /stats (the engine's waiting and running, how many of
 the running have a token out, and when the next step comes, for tests to sample at a quiet
-moment). A request may add "fail_after": k
+moment; also its batch size and step), POST /speed
+{"step_ms": x} (the engine slows down or speeds up from its next step: a GPU throttling,
+for scripts/bench_fleet.py). `--name` goes into every answer's id ("chatcmpl-NAME-..."),
+so a client behind a router can tell which server answered. A request may add
+"fail_after": k
 (a stream sends an error event after k tokens, as vLLM does for a failure inside a
 stream). Run inside a namespace:
 
@@ -107,8 +111,9 @@ def _sse(obj: Any) -> str:
 
 
 class Server:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, name: str = "") -> None:
         self.engine = engine
+        self.id_prefix = f"{name}-" if name else ""
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -117,6 +122,7 @@ class Server:
             Route("/health", lambda _: Response(status_code=200), methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
+            Route("/speed", self.speed, methods=["POST"]),
         ], lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
@@ -129,8 +135,16 @@ class Server:
         e = self.engine
         return JSONResponse({"waiting": len(e.waiting), "running": len(e.running),
                              "started": sum(1 for s in e.running if s.emitted),
-                             "steps": e.steps,
+                             "steps": e.steps, "slots": e.slots, "step_ms": e.step_s * 1000,
                              "next_step_ms": max(0.0, (e.next_step - time.monotonic()) * 1000)})
+
+    async def speed(self, request: Request) -> JSONResponse:
+        step_ms = (await request.json()).get("step_ms")
+        if not isinstance(step_ms, (int, float)) or not 0 < step_ms <= 10_000:
+            return JSONResponse({"error": "step_ms: a number of milliseconds in (0, 10000]"},
+                                status_code=400)
+        self.engine.step_s = step_ms / 1000
+        return JSONResponse({"step_ms": step_ms})
 
     async def metrics(self, _: Request) -> PlainTextResponse:
         e = self.engine
@@ -157,14 +171,16 @@ class Server:
     async def _generate(self, request: Request, chat: bool) -> Response:
         body = await request.json()
         model = body.get("model")
-        max_tokens = int(body.get("max_tokens") or 16)
+        # max_completion_tokens: OpenAI's newer name, which vLLM also takes (and which
+        # sglang-router writes when it forwards a max_tokens)
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         seq = self.engine.submit(max_tokens)
         if seq is None:
             return JSONResponse({"error": {"message": "too many requests waiting",
                                            "type": "RateLimitError", "code": 429}},
                                 status_code=429)
         prompt = _prompt_tokens(body)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.id_prefix}{uuid.uuid4().hex[:16]}"
         obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
             n = await self._drain(seq, request)
@@ -239,9 +255,10 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20)
     parser.add_argument("--prefill-ms", type=float, default=0)
     parser.add_argument("--max-waiting", type=int, default=1 << 20)
+    parser.add_argument("--name", default="", help="put into every answer's id")
     args = parser.parse_args()
     engine = Engine(args.slots, args.step_ms, args.prefill_ms, args.max_waiting)
-    config = uvicorn.Config(Server(engine).app, host=args.host, port=args.port,
+    config = uvicorn.Config(Server(engine, args.name).app, host=args.host, port=args.port,
                             log_level="warning", http="httptools", loop="uvloop",
                             timeout_keep_alive=60)
     serve(uvicorn.Server(config))

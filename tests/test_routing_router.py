@@ -134,6 +134,27 @@ def test_slow_peer_weighs_more_per_request() -> None:
     assert counts == {"fast": 500}
 
 
+def streaming(node: str, *, itl_ms: float, p50_ms: float = 100.0, in_flight: int = 4) -> PeerInput:
+    base = row(node, in_flight=in_flight, p50_ms=p50_ms)
+    models = tuple(replace(m, itl_p99_ms=itl_ms) for m in base.snapshot.models)
+    return replace(base, snapshot=replace(base.snapshot, models=models))
+
+
+def test_streams_pace_a_peer_by_its_inter_token_latency() -> None:
+    # Streamed answers' time to first byte is their head's (uvicorn sends it before any
+    # token), so the P50 says nothing of speed: a peer decoding at half speed, with the
+    # same P50 and queue, must lose every comparison.
+    counts = picks(router([streaming("fast", itl_ms=20), streaming("slow", itl_ms=40)]), 500)
+    assert counts == {"fast": 500}
+
+
+def test_a_peer_not_streaming_yet_is_paced_as_the_typical_streaming_peer() -> None:
+    # Its P50 (a whole answer's time) is not comparable with the others' per-token pace.
+    counts = picks(router([streaming("a", itl_ms=20), streaming("b", itl_ms=20),
+                           row("quiet", in_flight=4, p50_ms=5000)]), 600)
+    assert counts["quiet"] > 100
+
+
 def test_static_models_make_a_peer_a_candidate_before_any_traffic() -> None:
     rows = [row("fresh", models=())]
     assert isinstance(router(rows).best(MODEL, None, (), NOW), NoCandidate)

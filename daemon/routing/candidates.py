@@ -168,14 +168,19 @@ class PeerState:
 class Candidate:
     """A peer as a candidate for one model."""
 
-    __slots__ = ("peer", "endpoint", "service_ms", "weight")
+    __slots__ = ("peer", "endpoint", "service_ms", "itl_ms", "weight")
 
-    def __init__(self, peer: PeerState, endpoint: str, service_ms: float, weight: float) -> None:
+    def __init__(self, peer: PeerState, endpoint: str, service_ms: float, itl_ms: float,
+                 weight: float) -> None:
         self.peer = peer
         self.endpoint = endpoint
-        # Time of one of this model's requests on the peer without queueing, to weigh a
-        # queued request on a slow peer above one on a fast peer.
+        # The peer's pace on this model, to weigh a queued request on a slow peer above one
+        # on a fast peer: build() sets it to the inter-token latency where streams show it
+        # (the decode speed every request on the peer gets, whatever its length; a P99,
+        # so a slowdown shows within a few tokens), else the time of one request without
+        # queueing (the P50 envelope).
         self.service_ms = service_ms
+        self.itl_ms = itl_ms
         # Capacity times health: the sampling weight before slow start.
         self.weight = weight
 
@@ -203,20 +208,21 @@ def _serving_entry(loads: Sequence[ModelLoad]) -> ModelLoad:
 
 def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfig) -> Candidate:
     snap = peer.snapshot
-    service = 0.0
+    service = itl = 0.0
     errors = False
     if loads:
         entry = _serving_entry(loads)
         hosts = [e.host for e in snap.endpoints if e.port == entry.port]
         endpoint = _host_port(hosts[0] if hosts else snap.endpoints[0].host, entry.port)
         service = peer.service_ms.get(entry.model_id, 0.0)
+        itl = entry.itl_p99_ms
         if entry.rps > 0:
             errors = entry.error_ratio > config.error_ratio_threshold
     else:
         endpoint = _host_port(snap.endpoints[0].host, snap.endpoints[0].port)
     degraded = (errors or snap.state is State.DEGRADED or snap.score >= config.degraded_at)
     weight = peer.capacity * (config.degraded_weight if degraded else 1.0)
-    return Candidate(peer, endpoint, service, weight)
+    return Candidate(peer, endpoint, service, itl, weight)
 
 
 def build(peers: Sequence[PeerState], config: RoutingConfig,
@@ -236,7 +242,12 @@ def build(peers: Sequence[PeerState], config: RoutingConfig,
     out: dict[int, ModelCandidates] = {}
     for mid, peers_known in known.items():
         cands = [_candidate(by_id[n], entries, config) for n, entries in loads.get(mid, {}).items()]
-        # A peer that has not served the model yet is taken as typical of the others.
+        # One measure of pace for all of a model's candidates, so that they compare: the
+        # inter-token latency once any streams, the request time while none does. A peer
+        # without the figure is taken as typical of the others.
+        if any(c.itl_ms > 0 for c in cands):
+            for c in cands:
+                c.service_ms = c.itl_ms
         measured = [c.service_ms for c in cands if c.service_ms > 0]
         typical = statistics.median(measured) if measured else 1.0
         for c in cands:

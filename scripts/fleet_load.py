@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""The open-loop load generator of scripts/bench_fleet.py: one process, one asyncio loop,
+sending a fixed list of arrivals by one routing policy, and writing what each request got.
+
+    fleet_load.py PLAN.json RESULT.json
+
+PLAN holds the arrivals (time, entry host, max_tokens, prompt length, streamed or not,
+session), the hosts (server URL, agent socket, name) and the policy:
+
+  loadmesh    ask the entry host's agent (GET /v1/best on its Unix socket), send there,
+              report the outcome (POST /v1/feedback), as a gateway on that host would
+  round_robin the hosts in turn
+  random      a host drawn uniformly
+  oracle      join the shortest queue: this process is the only client, so its own count
+              of requests outstanding on each host is that host's exact queue; weighted by
+              each server's real speed (its /stats, polled every 0.5 s)
+  router      everything to `router_url` (sglang-router in front of the same servers); the
+              answering server is read from the answer's id ("chatcmpl-NAME-...")
+
+Arrivals are sent at their time whatever happened before (open loop), so a slow policy
+does not get an easier load. Each result: t (s since start, as sent), entry, host, status
+(HTTP, or 0 for a transport error or timeout), ttft_s (streamed: to the first data:
+event), e2e_s, tokens, reason (loadmesh's), best_ms (loadmesh's /v1/best round trip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from typing import Any
+
+import httpx
+
+REQUEST_TIMEOUT_S = 120.0
+
+
+class Policy:
+    def __init__(self, plan: dict[str, Any]) -> None:
+        self.hosts: list[dict[str, Any]] = plan["hosts"]
+        self.by_name = {h["name"]: h for h in self.hosts}
+        self.kind: str = plan["policy"]
+        self.rng = random.Random(plan.get("seed", 1))
+        self.turn = 0
+        self.outstanding = {h["name"]: 0 for h in self.hosts}
+        self.speed = {h["name"]: 1.0 for h in self.hosts}  # requests per ms of capacity
+
+    def pick(self) -> str:
+        if self.kind == "round_robin":
+            self.turn += 1
+            return self.hosts[self.turn % len(self.hosts)]["name"]
+        if self.kind == "random":
+            return self.rng.choice(self.hosts)["name"]
+        if self.kind == "oracle":
+            names = list(self.outstanding)
+            self.rng.shuffle(names)  # ties: not always the first host
+            return min(names, key=lambda n: (self.outstanding[n] + 1) / self.speed[n])
+        raise ValueError(self.kind)
+
+
+async def poll_speed(policy: Policy, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for h in policy.hosts:
+            try:
+                s = (await client.get(h["url"] + "/stats", timeout=2)).json()
+                policy.speed[h["name"]] = s["slots"] / s["step_ms"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except TimeoutError:
+            pass
+
+
+def prompt_text(arrival: dict[str, Any]) -> str:
+    """Words drawn per arrival: distinct prompts, as a real fleet gets, so that a
+    prefix-cache-aware router has no common prefix to pile them onto."""
+    rng = random.Random(arrival["t"])
+    words: list[str] = []
+    size = 0
+    while size < arrival["prompt"]:
+        words.append(rng.choice(_WORDS))
+        size += len(words[-1]) + 1
+    return " ".join(words)
+
+
+_WORDS = ("the", "model", "token", "cache", "batch", "queue", "router", "fleet", "kernel",
+          "stream", "latency", "prompt", "answer", "summarize", "explain", "translate",
+          "python", "function", "error", "network", "request", "server", "memory", "graph")
+
+
+def _host_of(answer_id: str, names: set[str]) -> str:
+    parts = answer_id.split("-")
+    return parts[1] if len(parts) > 2 and parts[1] in names else ""
+
+
+async def send(client: httpx.AsyncClient, url: str, arrival: dict[str, Any], model: str,
+               names: set[str]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model, "max_tokens": arrival["max_tokens"], "stream": arrival["stream"],
+        "messages": [{"role": "user", "content": prompt_text(arrival)}]}
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"status": 0, "ttft_s": None, "e2e_s": None, "tokens": 0, "served_by": ""}
+    try:
+        if arrival["stream"]:
+            async with client.stream("POST", url + "/v1/chat/completions", json=body,
+                                     timeout=REQUEST_TIMEOUT_S) as r:
+                out["status"] = r.status_code
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    if out["ttft_s"] is None:
+                        out["ttft_s"] = time.perf_counter() - t0
+                        out["served_by"] = _host_of(json.loads(line[6:]).get("id", ""), names)
+                    out["tokens"] += 1
+        else:
+            r = await client.post(url + "/v1/chat/completions", json=body,
+                                  timeout=REQUEST_TIMEOUT_S)
+            out["status"] = r.status_code
+            if r.status_code == 200:
+                answer = r.json()
+                out["tokens"] = answer["usage"]["completion_tokens"]
+                out["served_by"] = _host_of(answer.get("id", ""), names)
+    except (httpx.HTTPError, ValueError, KeyError):
+        out["status"] = 0
+    out["e2e_s"] = time.perf_counter() - t0
+    return out
+
+
+async def run(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    policy = Policy(plan)
+    names = set(policy.by_name)
+    limits = httpx.Limits(max_connections=4000, max_keepalive_connections=4000)
+    servers = httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S)
+    agents = {h["name"]: httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=h["socket"]),
+                                           base_url="http://loadmesh", timeout=10)
+              for h in policy.hosts if h.get("socket")}
+    stop = asyncio.Event()
+    poller = asyncio.create_task(poll_speed(policy, servers, stop)) if policy.kind == "oracle" else None
+    results: list[dict[str, Any]] = []
+    start = time.perf_counter()
+
+    async def one(arrival: dict[str, Any]) -> None:
+        row: dict[str, Any] = {"t": time.perf_counter() - start, "entry": arrival["entry"],
+                               "host": "", "reason": "", "best_ms": None,
+                               "session": arrival.get("session")}
+        entry = policy.hosts[arrival["entry"]]["name"]
+        node = ""
+        if policy.kind == "loadmesh":
+            agent = agents[entry]
+            params = {"model": plan["model"]}
+            if arrival.get("session"):
+                params["session"] = arrival["session"]
+            t = time.perf_counter()
+            try:
+                best = (await agent.get("/v1/best", params=params)).json()
+            except (httpx.HTTPError, ValueError):
+                best = {}
+            row["best_ms"] = (time.perf_counter() - t) * 1000
+            node, row["reason"] = best.get("node_id", ""), best.get("reason", "")
+            if not node:
+                row.update(status=-1, ttft_s=None, e2e_s=None, tokens=0)
+                results.append(row)
+                return
+            url = "http://" + best["endpoint"]
+        elif policy.kind == "router":
+            url = plan["router_url"]
+        else:
+            node = policy.pick()
+            url = policy.by_name[node]["url"]
+        if node:
+            policy.outstanding[node] += 1
+        try:
+            got = await send(servers, url, arrival, plan["model"], names)
+        finally:
+            if node:
+                policy.outstanding[node] -= 1
+        served_by = got.pop("served_by")
+        row.update(got)
+        row["host"] = node or served_by
+        if policy.kind == "loadmesh":
+            outcome = "ok" if got["status"] == 200 else "timeout" if got["status"] == 0 else "error"
+            try:
+                await agents[entry].post("/v1/feedback", json={
+                    "node_id": node, "outcome": outcome, "latency_ms": got["e2e_s"] * 1000})
+            except httpx.HTTPError:
+                pass
+        results.append(row)
+
+    tasks = []
+    for arrival in plan["arrivals"]:
+        delay = arrival["t"] - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(arrival)))
+    await asyncio.gather(*tasks)
+    stop.set()
+    if poller is not None:
+        await poller
+    await servers.aclose()
+    for a in agents.values():
+        await a.aclose()
+    return sorted(results, key=lambda r: r["t"])
+
+
+def main() -> int:
+    plan = json.loads(open(sys.argv[1]).read())
+    results = asyncio.run(run(plan))
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
