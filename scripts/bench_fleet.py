@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
+from llm_clients import nearest_rank  # noqa: E402
 from metrics_helpers import wait_for  # noqa: E402
 
 from daemon.client import AgentUnavailable, ApiError, Client  # noqa: E402
@@ -203,17 +204,23 @@ def candidates(sock: str) -> int:
 
 def drained(urls: list[str]) -> bool:
     try:
-        return all(get_json(u + "/stats")["waiting"] + get_json(u + "/stats")["running"] == 0
-                   for u in urls)
+        stats = [get_json(u + "/stats") for u in urls]
     except OSError:
         return False
+    return all(st["waiting"] + st["running"] == 0 for st in stats)
 
 
 def pctl(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+    return nearest_rank(values, q) if values else None
+
+
+def host_bins(rows: list[dict[str, Any]], start_s: float = 0.0) -> dict[int, Counter[str]]:
+    """Requests per host in each BIN_S bin from start_s, by the bin's index."""
+    bins: dict[int, Counter[str]] = {}
+    for r in rows:
+        if r["host"] and r["t"] >= start_s:
+            bins.setdefault(int((r["t"] - start_s) // BIN_S), Counter())[r["host"]] += 1
+    return bins
 
 
 def summarize(rows: list[dict[str, Any]], hosts: tuple[Host, ...]) -> dict[str, Any]:
@@ -222,11 +229,7 @@ def summarize(rows: list[dict[str, Any]], hosts: tuple[Host, ...]) -> dict[str, 
     e2e = [r["e2e_s"] for r in ok]
     share = Counter(r["host"] for r in rows if r["host"])
     sent = sum(share.values()) or 1
-    bins: dict[int, Counter[str]] = {}
-    for r in rows:
-        if r["host"]:
-            bins.setdefault(int(r["t"] // BIN_S), Counter())[r["host"]] += 1
-    worst = max((max(c.values()) / sum(c.values()) for c in bins.values()
+    worst = max((max(c.values()) / sum(c.values()) for c in host_bins(rows).values()
                  if sum(c.values()) >= 10), default=0.0)
     return {"requests": len(rows), "ok": len(ok),
             "ttft_p50": pctl(ttft, 0.5), "ttft_p99": pctl(ttft, 0.99),
@@ -242,10 +245,7 @@ def shift_s(rows: list[dict[str, Any]], host: str, at_s: float, before: float,
     """Seconds from at_s until host's share of a 2 s bin first falls below the midpoint
     of `before` and `after` and stays there for the rest of the run."""
     mid = (before + after) / 2
-    bins: dict[int, Counter[str]] = {}
-    for r in rows:
-        if r["host"] and r["t"] >= at_s:
-            bins.setdefault(int((r["t"] - at_s) // BIN_S), Counter())[r["host"]] += 1
+    bins = host_bins(rows, at_s)
     shares = [bins[i][host] / sum(bins[i].values()) if i in bins else 0.0
               for i in range(max(bins, default=-1) + 1)]
     for i in range(len(shares)):
@@ -325,9 +325,10 @@ def main() -> int:
               f"({', '.join(f'{h.name} {h.slots}x{h.step_ms:g}ms' for h in HOSTS)}; "
               f"{total:.0f} tokens/s in all), {args.seconds:g} s per run, "
               f"{STREAMED:.0%} streamed, {os.cpu_count()} CPUs")
+        # the capacity in requests/s, from the mean answer length of a long draw
+        capacity = capacity_rps(HOSTS, arrivals(1.0, 1000, args.seed, len(HOSTS)))
         for load in loads:
-            probe = arrivals(1.0, 1000, args.seed, len(HOSTS))
-            rate = load * capacity_rps(HOSTS, probe)
+            rate = load * capacity
             plan = arrivals(rate, args.seconds, args.seed, len(HOSTS))
             print(f"\nload {load:.0%}: {rate:.1f} requests/s, {len(plan)} arrivals")
             print(f"  {'policy':12} {'ttft p50':>8} {'p99':>7} {'e2e p50':>8} {'p99':>7} "
@@ -343,7 +344,7 @@ def main() -> int:
                       + (f"  (failed {s['failed']})" if s["failed"] else "")
                       + (f"  {s['reasons']}" if s["reasons"] else ""), flush=True)
         if args.slowdown:
-            rate = 0.8 * capacity_rps(HOSTS, arrivals(1.0, 1000, args.seed, len(HOSTS)))
+            rate = 0.8 * capacity
             plan = arrivals(rate, args.seconds, args.seed + 1, len(HOSTS))
             at = args.seconds / 2
             before = HOSTS[0].tokens_per_s / total
