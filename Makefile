@@ -31,9 +31,9 @@ bench-vllm: setup
 
 # Five hosts in namespaces, a loadmesh agent on each, the same arrivals routed by loadmesh,
 # round robin, random, a JSQ oracle and sglang-router (installed into /var/tmp/loadmesh-sglang
-# on the first run). About 20 minutes.
+# on the first run); then a slowdown, and sessions with a host killed. About 25 minutes.
 bench-fleet: setup
-	$(PYTHON) scripts/bench_fleet.py --slowdown
+	$(PYTHON) scripts/bench_fleet.py --slowdown --sessions 300
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

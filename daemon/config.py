@@ -239,6 +239,9 @@ class LoadConfig:
     half_life_s: float = _key(3.0, _range(0.1, 600), "score smoothing: a sample's weight halves in this time")
     degraded_at: float = _key(0.7, _range(0.01, 1), "score from which the node is degraded")
     overloaded_at: float = _key(0.9, _range(0.01, 1), "score from which the node is overloaded")
+    list_models_s: float = _key(30.0, _range(0, 86_400),
+                                "how often each serving port's GET /v1/models is asked, so that "
+                                "peers route a model here before its first request (0: never)")
     weights: ScoreWeights = field(default_factory=ScoreWeights)
 
     def __post_init__(self) -> None:

@@ -3,8 +3,9 @@ agent, and name what needs a restart.
 
 Applied in place: log_level, the serving ports (probe filter and advertised endpoints),
 gossip seeds and key file (a key rotation edits the file and reloads: it is reread on
-every reload), every routing setting, and the score's weights and thresholds. Everything else (addresses, sockets, interfaces, node identity, map and timing
-sizes) is bound into sockets, maps or timers at start: a change to it is logged as
+every reload), every routing setting, the score's weights and thresholds, and how often
+the servers' model lists are asked. Everything else (addresses, sockets, interfaces, node
+identity, map and timing sizes) is bound into sockets, maps or timers at start: a change to it is logged as
 needing a restart and the running value stays, so the next reload names it again until
 the agent restarts.
 
@@ -32,7 +33,7 @@ log = logs.get("reload")
 
 # Dotted keys (or whole sections) a running agent takes without a restart.
 RELOADABLE = ("log_level", "probes.ports", "gossip.seeds", "gossip.key_file", "routing",
-              "load.degraded_at", "load.overloaded_at", "load.weights")
+              "load.degraded_at", "load.overloaded_at", "load.weights", "load.list_models_s")
 
 
 def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:

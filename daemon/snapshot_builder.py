@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -33,6 +33,7 @@ from gossip.snapshot import (
     ModelLoad,
     wire_score,
 )
+from probes.model_id import model_id
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class ModelFigures(ModelRates, Protocol):
     @property
     def rps(self) -> float: ...
     @property
-    def error_ratio(self) -> float: ...
+    def failed_ratio(self) -> float: ...
     @property
     def p50_ms(self) -> float: ...
     @property
@@ -57,6 +58,8 @@ class ModelFigures(ModelRates, Protocol):
     def ttft_p99_ms(self) -> float: ...
     @property
     def itl_p99_ms(self) -> float: ...
+    @property
+    def pace_ms(self) -> float: ...
 
 
 def _bounded(value: float, hi: float) -> float:
@@ -74,7 +77,10 @@ def _model_load(m: ModelFigures) -> ModelLoad:
         model_id=m.model_id,
         port=m.port,
         rps=_bounded(m.rps, MAX_RPS),
-        error_ratio=_bounded(m.error_ratio, 1.0),
+        # On the wire, everything that counts against the host: 5xx and 429 answers,
+        # stream errors, aborted, cut and unanswered requests (a 429 is fast, and would
+        # otherwise make a rejecting host look quick and healthy).
+        error_ratio=_bounded(m.failed_ratio, 1.0),
         p50_ms=_bounded(m.p50_ms, MAX_LATENCY_MS),
         p99_ms=_bounded(m.p99_ms, MAX_LATENCY_MS),
         in_flight=_count(waiting + running),
@@ -83,6 +89,7 @@ def _model_load(m: ModelFigures) -> ModelLoad:
         ttft_p99_ms=_bounded(m.ttft_p99_ms, MAX_LATENCY_MS),
         itl_p99_ms=_bounded(m.itl_p99_ms, MAX_LATENCY_MS),
         tokens_per_s=_bounded(m.tokens_per_s, MAX_TOKENS_PER_S),
+        pace_ms=_bounded(m.pace_ms, MAX_LATENCY_MS),
     )
 
 
@@ -124,9 +131,17 @@ class SnapshotBuilder:
         gpus: Sequence[GpuLoad],
         models: Sequence[ModelFigures],
         draining: bool = False,
+        listed: Mapping[int, Sequence[str]] | None = None,
     ) -> tuple[LoadSnapshot, bool, bool]:
-        """(snapshot to publish, whether its version is new, whether peers need it now)."""
+        """(snapshot to publish, whether its version is new, whether peers need it now).
+        listed: port -> the models its server lists (daemon/model_list.py); those without
+        traffic yet get an entry with none, so that peers know this node serves them."""
         loads = [_model_load(m) for m in models]
+        seen = {m.key for m in loads}
+        for port, names in (listed or {}).items():
+            for mid in dict.fromkeys(model_id(name) for name in names):
+                if (mid, port) not in seen:
+                    loads.append(ModelLoad(mid, port, 0.0, 0.0, 0.0, 0.0, 0))
         if len(loads) > MAX_MODELS:
             # The wire carries at most MAX_MODELS: keep the ones carrying the most traffic.
             loads = sorted(loads, key=lambda m: (m.in_flight, m.rps), reverse=True)[:MAX_MODELS]

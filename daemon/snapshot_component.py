@@ -12,7 +12,6 @@ import ipaddress
 from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -23,12 +22,14 @@ from daemon.config import Config, split_host_port
 from daemon.gpu_component import GpuComponent
 from daemon.health import OK, Health, State
 from daemon.http import Request, Response
+from daemon.model_list import ModelLister
 from daemon.probes_component import ProbesComponent
 from daemon.score import ScoreConfig
 from daemon.snapshot_builder import SnapshotBuilder
 from daemon.snapshot_view import snapshot_json
 from daemon.versioning import ChangeDetector, VersionClock, VersionStore
 from gossip.snapshot import Endpoint, LoadSnapshot
+from probes.model_id import model_id
 
 log = logs.get("snapshot")
 
@@ -87,6 +88,8 @@ class SnapshotComponent:
         self._health = OK
         self._draining = False
         self._host_name = ""
+        self._lister: ModelLister | None = None
+        self._listing: asyncio.Task[None] | None = None
         router.add("GET", "/v1/snapshot", self._get_snapshot)
         router.add("POST", "/v1/drain", lambda _: self._set_draining(True))
         router.add("POST", "/v1/undrain", lambda _: self._set_draining(False))
@@ -120,6 +123,12 @@ class SnapshotComponent:
             VersionClock(VersionStore(self._state_dir / "version")),
             ChangeDetector(heartbeat_ms=self.config.load.heartbeat_ms),
             score_config(self.config))
+        self._lister = ModelLister(self._host_name, self.config.probes.ports,
+                                   self.config.load.list_models_s)
+        if self._lister.interval_s > 0:
+            # Bounded (a timeout per port): the first snapshot already names what is served.
+            await self._lister.refresh()
+        self._listing = asyncio.create_task(self._lister.run(), name="model-list")
         await self._tick()  # so the API has a snapshot from the first moment
         self._task = asyncio.create_task(self._run(), name="snapshot-tick")
         snap = self.current
@@ -133,6 +142,10 @@ class SnapshotComponent:
         if self._task is not None:
             await self._task
             self._task = None
+        if self._listing is not None:
+            self._listing.cancel()
+            await asyncio.gather(self._listing, return_exceptions=True)
+            self._listing = None
 
     def health(self) -> Health:
         return self._health
@@ -145,6 +158,10 @@ class SnapshotComponent:
         if self._builder is not None:
             self._builder.endpoints = self._endpoints()
             self._builder.score_config = score_config(config)
+        if self._lister is not None:
+            self._lister.ports = tuple(config.probes.ports)
+            self._lister.interval_s = config.load.list_models_s
+            self._lister.wake.set()
         self._wake.set()
 
     def _endpoints(self) -> tuple[Endpoint, ...]:
@@ -169,7 +186,8 @@ class SnapshotComponent:
         assert self._builder is not None
         gpus = await self.gpu.sample()
         snap, changed, urgent = self._builder.build(
-            self._host.sample(), gpus, self.probes.model_figures(), self.draining)
+            self._host.sample(), gpus, self.probes.model_figures(), self.draining,
+            self._lister.listed() if self._lister is not None else None)
         if changed:
             for publish in self._subscribers:
                 publish(snap, urgent)
@@ -192,4 +210,7 @@ class SnapshotComponent:
         snap = self.current
         if snap is None:
             return Response.error(HTTPStatus.SERVICE_UNAVAILABLE, "no snapshot yet")
-        return Response.json(snapshot_json(snap, self.gpu.devices, self.probes.model_names()))
+        names = self.probes.model_names()
+        if self._lister is not None:
+            names.update((model_id(n), n) for listed in self._lister.listed().values() for n in listed)
+        return Response.json(snapshot_json(snap, self.gpu.devices, names))

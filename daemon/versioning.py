@@ -157,11 +157,12 @@ class Deadbands:
     running: Deadband | None = Deadband(abs=2.0, rel=0.20)
     ttft_p99_ms: Deadband | None = Deadband(abs=10.0, rel=0.20)
     itl_p99_ms: Deadband | None = Deadband(abs=2.0, rel=0.20)
+    pace_ms: Deadband | None = Deadband(abs=2.0, rel=0.20)
     tokens_per_s: Deadband | None = Deadband(abs=5.0, rel=0.20)
 
 
 _MODEL_FIGURES = ("rps", "error_ratio", "p50_ms", "p99_ms", "in_flight", "waiting", "running",
-                  "ttft_p99_ms", "itl_p99_ms", "tokens_per_s")
+                  "ttft_p99_ms", "itl_p99_ms", "tokens_per_s", "pace_ms")
 
 
 @dataclass(frozen=True)

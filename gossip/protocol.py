@@ -328,7 +328,7 @@ class GossipCore:
     def join(self, seeds: Sequence[Addr], now_ms: int, remember: bool = True) -> Outgoing:
         """Exchange full state with `seeds` now. Remembered seeds are tried again every
         join_retry_ms for as long as no peer is alive."""
-        now = self._clock(now_ms)
+        self._clock(now_ms)  # starts the timers on a first call
         if remember:
             self._seeds += [s for s in seeds if s not in self._seeds]
         return self._sync_all(seeds)

@@ -22,8 +22,8 @@ The top level is a map with one-letter keys::
                    power_limit W, throttle reasons bitmask, processes, healthy bool], ...]
     "m": models, [[model_id u64, port, rps 1/100, error_ratio 1/10000, p50 0.1 ms,
                    p99 0.1 ms, in_flight, waiting, running, ttft_p99 0.1 ms, itl_p99 0.1 ms,
-                   tokens/s 1/10], ...]  (the last five since agents that see LLM traffic;
-                   a record without them reads as zeros)
+                   tokens/s 1/10, pace 0.1 ms], ...]  (from waiting on since agents that
+                   see LLM traffic, pace later still; a record without them reads as zeros)
 
 Records are positional arrays rather than maps: with keys, 8 GPUs and 4 models do not fit
 the 512-byte budget. Compatibility rules, so that agents of different releases interoperate:
@@ -249,7 +249,9 @@ class ModelLoad(_Record):
     routing to this node knows which endpoint serves the model. p50_ms and p99_ms are the
     time to the answer's first byte; in_flight = waiting + running (kept for agents that
     read no further). waiting: requests with no first token yet (a non-streamed one: no
-    answer yet); running: streams under way; ttft and itl from streamed answers only.
+    answer yet); running: streams under way; ttft and itl from streamed answers only;
+    pace_ms: the median gap between a stream's tokens over the last second (the decode pace
+    now, where the window's itl_p99 holds the tail).
     """
 
     model_id: int
@@ -264,6 +266,7 @@ class ModelLoad(_Record):
     ttft_p99_ms: float = 0.0
     itl_p99_ms: float = 0.0
     tokens_per_s: float = 0.0
+    pace_ms: float = 0.0
 
     _FIELDS = (
         _Field("model_id", "int", hi=2**64 - 1),
@@ -278,6 +281,7 @@ class ModelLoad(_Record):
         _Field("ttft_p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
         _Field("itl_p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
         _Field("tokens_per_s", "fixed", hi=MAX_TOKENS_PER_S, scale=10, missing=0.0),
+        _Field("pace_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
     )
 
     @property

@@ -55,6 +55,10 @@ _NAN = float("nan")
 KINDS = abi.names("LM_HK_", "LM_HK_COUNT")  # ("ttfb", "ttft", "itl", "e2e")
 ENDPOINTS = abi.endpoint_names()  # ("other", "chat", ...)
 OUTCOMES = abi.outcome_names()  # ("complete", "error", "aborted", ...)
+# Outcomes of requests the host did not see through: counted against it. A stream error
+# is the "error" outcome, already among the errors.
+_CUT = tuple(OUTCOMES.index(o) for o in ("aborted", "truncated", "unanswered"))
+PACE_S = 1.0
 TTFB, TTFT, ITL, E2E = (KINDS.index(k) for k in ("ttfb", "ttft", "itl", "e2e"))
 EP_OTHER = ENDPOINTS.index("other")
 EP_EMBEDDINGS = ENDPOINTS.index("embeddings")
@@ -100,12 +104,19 @@ class ModelStats:
     rps: float
     error_ratio: float  # 5xx answers and streams that carried an error event
     ratio_429: float
+    # What counts against the host: 5xx, 429, streams that carried an error event, and
+    # requests aborted, cut short or never answered, over the requests that ended.
+    failed_ratio: float
     p50_ms: float  # time to first byte; NaN: no answer in the window
     p95_ms: float
     p99_ms: float
     ttft: Percentiles
     itl: Percentiles
     e2e: Percentiles
+    # The median gap between a stream's tokens over the last PACE_S: the decode pace now.
+    # The window's percentiles lag a change: its P50 moves once half the window's tokens
+    # come at the new pace, and a slowed server yields fewer of them.
+    pace_ms: float
     waiting: int
     running: int
     tokens_per_s: float
@@ -228,6 +239,7 @@ class _Figures:
         self.window_status: dict[int, int] = {}
         self.window_hist: list[dict[int, int]] = [{} for _ in KINDS]  # kind -> bucket -> n
         self.window_errors = 0  # stream errors in the window
+        self.window_outcomes = [0] * len(OUTCOMES)
         self.window_tokens = 0
         self.window_e2e_tokens = 0  # of the answers that ended in the window, timed
         self.window_e2e_ns = 0
@@ -393,9 +405,11 @@ class FingerprintReader:
             fig.window_tokens += sign * _tokens_of(d)
             fig.window_e2e_tokens += sign * d.e2e_tokens
             fig.window_e2e_ns += sign * d.e2e_ns
-            if sign > 0:
-                for i, n in enumerate(d[:len(OUTCOMES)]):
+            for i, n in enumerate(d[:len(OUTCOMES)]):
+                fig.window_outcomes[i] += sign * n
+                if sign > 0:
                     fig.outcomes[i] += n
+            if sign > 0:
                 fig.usage = RequestStats(*(a + b for a, b in zip(fig.usage, d)))
         for port, d in iv.ports.items():
             acc = self._window_ports.setdefault(port, [0] * len(PortStats._fields))
@@ -420,6 +434,22 @@ class FingerprintReader:
         """Seconds the window's intervals cover."""
         return max(self._window[-1].end - self._window[0].start, 1e-3) if self._window else 0
 
+    def _recent_itl(self) -> dict[tuple[int, int], dict[int, int]]:
+        """Per (model, port), the inter-token gaps of the intervals ending in the last
+        PACE_S, by bucket; the endpoints that count toward the load."""
+        out: dict[tuple[int, int], dict[int, int]] = {}
+        if not self._window:
+            return out
+        since = self._window[-1].end - PACE_S
+        for iv in reversed(self._window):
+            if iv.end <= since:
+                break
+            for (model, port, endpoint, kind, _status, bucket), n in iv.hist.items():
+                if kind == ITL and counts_toward_load((model, port, endpoint)):
+                    counts = out.setdefault((model, port), {})
+                    counts[bucket] = counts.get(bucket, 0) + n
+        return out
+
     def _model_stats(self, snap: MapSnapshot) -> tuple[ModelStats, ...]:
         """Per (model, port): the endpoints that count toward the load, together."""
         groups: dict[tuple[int, int], list[EndpointKey]] = {}
@@ -427,6 +457,7 @@ class FingerprintReader:
             if counts_toward_load(key):
                 groups.setdefault(key[:2], []).append(key)
         span = self._span()
+        pace = self._recent_itl()
         out = []
         for (model, port), keys in sorted(groups.items(), key=lambda kv: (
                 model_name(kv[0][0], snap.models), kv[0][1])):
@@ -436,7 +467,7 @@ class FingerprintReader:
             status: dict[int, int] = {}
             window: dict[int, int] = {}
             hist: list[dict[int, int]] = [{} for _ in KINDS]
-            errors = tokens = 0
+            errors = tokens = cut = ended = 0
             for f in figs:
                 buckets.add_into(status, f.status)
                 buckets.add_into(window, f.window_status)
@@ -444,8 +475,13 @@ class FingerprintReader:
                     buckets.add_into(hist[kind], counts)
                 errors += f.window_errors
                 tokens += f.window_tokens
+                cut += sum(f.window_outcomes[i] for i in _CUT)
+                ended += sum(f.window_outcomes)
             n = sum(window.values())
             fives = sum(c for s, c in window.items() if 500 <= s <= 599)
+            # An answer's status counts at its first byte, its outcome at its end: either
+            # can be ahead, and a request never answered has no status at all.
+            failed = fives + window.get(429, 0) + errors + cut
             flight = [snap.inflight.get(k, InFlight(0, 0)) for k in keys]
             ttfb = _percentiles(hist[TTFB])
             out.append(ModelStats(
@@ -457,12 +493,14 @@ class FingerprintReader:
                 rps=n / span if span else 0.0,
                 error_ratio=min(1.0, (fives + errors) / n) if n else 0.0,
                 ratio_429=window.get(429, 0) / n if n else 0.0,
+                failed_ratio=min(1.0, failed / max(n, ended)) if failed else 0.0,
                 p50_ms=ttfb.p50,
                 p95_ms=ttfb.p95,
                 p99_ms=ttfb.p99,
                 ttft=_percentiles(hist[TTFT]),
                 itl=_percentiles(hist[ITL]),
                 e2e=_percentiles(hist[E2E]),
+                pace_ms=_percentiles(pace.get((model, port), {})).p50,
                 waiting=sum(f.waiting for f in flight),
                 running=sum(f.running for f in flight),
                 tokens_per_s=max(0.0, tokens / span) if span else 0.0,

@@ -5,7 +5,10 @@ sending a fixed list of arrivals by one routing policy, and writing what each re
     fleet_load.py PLAN.json RESULT.json
 
 PLAN holds the arrivals (time, entry host, max_tokens, prompt length, streamed or not,
-session), the hosts (server URL, agent socket, name) and the policy:
+session), the moment time 0 is (start_at, on time.monotonic(), the same clock in every
+process: optional, else now), the hosts (server URL, agent socket, name), events (at time t, POST `engine`
+to host number `host`'s /engine: a slowdown, a server that starts rejecting) and the
+policy:
 
   loadmesh    ask the entry host's agent (GET /v1/best on its Unix socket), send there,
               report the outcome (POST /v1/feedback), as a gateway on that host would
@@ -129,6 +132,16 @@ async def send(client: httpx.AsyncClient, url: str, arrival: dict[str, Any], mod
     return out
 
 
+async def events(plan: dict[str, Any], client: httpx.AsyncClient, start: float) -> None:
+    for event in sorted(plan.get("events", ()), key=lambda e: e["t"]):
+        delay = event["t"] - (time.monotonic() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        r = await client.post(plan["hosts"][event["host"]]["url"] + "/engine",
+                              json=event["engine"], timeout=5)
+        r.raise_for_status()
+
+
 async def run(plan: dict[str, Any]) -> list[dict[str, Any]]:
     policy = Policy(plan)
     names = set(policy.by_name)
@@ -140,10 +153,13 @@ async def run(plan: dict[str, Any]) -> list[dict[str, Any]]:
     stop = asyncio.Event()
     poller = asyncio.create_task(poll_speed(policy, servers, stop)) if policy.kind == "oracle" else None
     results: list[dict[str, Any]] = []
-    start = time.perf_counter()
+    start = plan.get("start_at", time.monotonic())
+    if start > time.monotonic():
+        await asyncio.sleep(start - time.monotonic())
+    changes = asyncio.create_task(events(plan, servers, start))
 
     async def one(arrival: dict[str, Any]) -> None:
-        row: dict[str, Any] = {"t": time.perf_counter() - start, "entry": arrival["entry"],
+        row: dict[str, Any] = {"t": time.monotonic() - start, "entry": arrival["entry"],
                                "host": "", "reason": "", "best_ms": None,
                                "session": arrival.get("session")}
         entry = policy.hosts[arrival["entry"]]["name"]
@@ -191,11 +207,11 @@ async def run(plan: dict[str, Any]) -> list[dict[str, Any]]:
 
     tasks = []
     for arrival in plan["arrivals"]:
-        delay = arrival["t"] - (time.perf_counter() - start)
+        delay = arrival["t"] - (time.monotonic() - start)
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(arrival)))
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*tasks, changes)
     stop.set()
     if poller is not None:
         await poller

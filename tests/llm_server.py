@@ -13,9 +13,11 @@ Endpoints: POST /v1/chat/completions, /v1/completions (stream or not,
 stream_options.include_usage honoured), /v1/embeddings; GET /v1/models, /health, /metrics
 (a few Prometheus lines: a scrape), /stats (the engine's waiting and running, how many of
 the running have a token out, and when the next step comes, for tests to sample at a quiet
-moment; also its batch size and step), POST /speed
-{"step_ms": x} (the engine slows down or speeds up from its next step: a GPU throttling,
-for scripts/bench_fleet.py). `--name` goes into every answer's id ("chatcmpl-NAME-..."),
+moment; also its batch size and step), POST /engine
+{"step_ms": x, "max_waiting": n}, either key optional (the engine slows down or speeds up
+from its next step, a GPU throttling; with max_waiting 0 it answers 429 to every request:
+for scripts/bench_fleet.py and the fleet tests). `--name` goes into every answer's id ("chatcmpl-NAME-..."),
+`--model` (repeatable) names what /v1/models lists (any name is served),
 so a client behind a router can tell which server answered. A request may add
 "fail_after": k
 (a stream sends an error event after k tokens, as vLLM does for a failure inside a
@@ -111,9 +113,10 @@ def _sse(obj: Any) -> str:
 
 
 class Server:
-    def __init__(self, engine: Engine, name: str = "") -> None:
+    def __init__(self, engine: Engine, name: str = "", models: tuple[str, ...] = ("fake",)) -> None:
         self.engine = engine
         self.id_prefix = f"{name}-" if name else ""
+        self.listed = models
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -122,7 +125,7 @@ class Server:
             Route("/health", lambda _: Response(status_code=200), methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
-            Route("/speed", self.speed, methods=["POST"]),
+            Route("/engine", self.tune, methods=["POST"]),
         ], lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
@@ -138,13 +141,18 @@ class Server:
                              "steps": e.steps, "slots": e.slots, "step_ms": e.step_s * 1000,
                              "next_step_ms": max(0.0, (e.next_step - time.monotonic()) * 1000)})
 
-    async def speed(self, request: Request) -> JSONResponse:
-        step_ms = (await request.json()).get("step_ms")
+    async def tune(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        step_ms = body.get("step_ms", self.engine.step_s * 1000)
+        max_waiting = body.get("max_waiting", self.engine.max_waiting)
         if not isinstance(step_ms, (int, float)) or not 0 < step_ms <= 10_000:
             return JSONResponse({"error": "step_ms: a number of milliseconds in (0, 10000]"},
                                 status_code=400)
+        if not isinstance(max_waiting, int) or max_waiting < 0:
+            return JSONResponse({"error": "max_waiting: a count, at least 0"}, status_code=400)
         self.engine.step_s = step_ms / 1000
-        return JSONResponse({"step_ms": step_ms})
+        self.engine.max_waiting = max_waiting
+        return JSONResponse({"step_ms": step_ms, "max_waiting": max_waiting})
 
     async def metrics(self, _: Request) -> PlainTextResponse:
         e = self.engine
@@ -152,7 +160,8 @@ class Server:
                                  f"fake:num_requests_waiting {len(e.waiting)}\n")
 
     async def models(self, _: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        return JSONResponse({"object": "list",
+                             "data": [{"id": m, "object": "model"} for m in self.listed]})
 
     async def embeddings(self, request: Request) -> JSONResponse:
         body = await request.json()
@@ -256,9 +265,11 @@ def main() -> None:
     parser.add_argument("--prefill-ms", type=float, default=0)
     parser.add_argument("--max-waiting", type=int, default=1 << 20)
     parser.add_argument("--name", default="", help="put into every answer's id")
+    parser.add_argument("--model", action="append", help="listed on /v1/models (any name "
+                        "is served; default: fake)")
     args = parser.parse_args()
     engine = Engine(args.slots, args.step_ms, args.prefill_ms, args.max_waiting)
-    config = uvicorn.Config(Server(engine, args.name).app, host=args.host, port=args.port,
+    config = uvicorn.Config(Server(engine, args.name, tuple(args.model or ("fake",))).app, host=args.host, port=args.port,
                             log_level="warning", http="httptools", loop="uvloop",
                             timeout_keep_alive=60)
     serve(uvicorn.Server(config))

@@ -337,6 +337,52 @@ def test_outcomes_and_aborts_are_counted_under_their_model(fake: FakeProbes) -> 
     assert row["error_ratio"] == pytest.approx(1 / 3, abs=1e-4)  # a stream error of 3 answers
 
 
+def test_failed_ratio_counts_429s_aborts_and_the_unanswered_against_the_host(fake: FakeProbes) -> None:
+    """What the snapshot gossips as the model's error ratio: fast 429s and requests the
+    host did not see through count, so a rejecting host never looks quick and healthy."""
+    r = FingerprintReader(fake, window_s=10)
+    t = time.monotonic()
+    r.poll(t)
+    fake.add(L, 200, 40, n=6)
+    fake.add(L, 429, 1, n=2)
+    fake.add(L, 503, 1, n=1)
+    fake.ended(L, complete=9)
+    fake.ended(L, aborted=1, unanswered=1, truncated=1)  # no status line for two of them
+    r.poll(t + 1)
+    (stats,) = r.model_stats()
+    assert stats.error_ratio == pytest.approx(1 / 9)  # 5xx and stream errors only
+    assert stats.ratio_429 == pytest.approx(2 / 9)
+    assert stats.failed_ratio == pytest.approx(6 / 12)
+    for i in range(2, 13):
+        fake.add(L, 200, 40, n=10)
+        fake.ended(L, complete=10)
+        r.poll(t + i)
+    (stats,) = r.model_stats()
+    assert stats.failed_ratio == 0  # the failures left the window
+
+
+def test_pace_is_the_median_token_gap_of_the_last_second(fake: FakeProbes) -> None:
+    """The window's percentiles hold 10 s of a fast past; the pace follows a slowdown
+    within a second, even though a slowed server yields fewer tokens."""
+    r = FingerprintReader(fake, window_s=10)
+    t = time.monotonic()
+    r.poll(t)
+    for i in range(1, 9):
+        fake.add(L, 200, 20, n=400, kind=ITL)
+        r.poll(t + i * 0.25)
+    (stats,) = r.model_stats()
+    assert stats.pace_ms == pytest.approx(20, rel=0.04)
+    for i in range(9, 13):
+        fake.add(L, 200, 80, n=100, kind=ITL)  # a quarter of the tokens, at 4x the gap
+        r.poll(t + i * 0.25)
+    (stats,) = r.model_stats()
+    assert stats.pace_ms == pytest.approx(80, rel=0.04)
+    assert stats.itl.p50 == pytest.approx(20, rel=0.04)  # the window still says fast
+    for i in range(13, 18):
+        r.poll(t + i * 0.25)  # a second without a stream: no pace
+    assert math.isnan(r.model_stats()[0].pace_ms)
+
+
 def test_time_in_the_server_of_the_answers_that_ended_in_the_window(fake: FakeProbes) -> None:
     """The queue's rate: the ended answers' tokens over their summed first-to-last-byte
     times, per (model, port), embeddings left out, and gone with the window."""

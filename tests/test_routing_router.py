@@ -89,23 +89,36 @@ def test_never_picks_dead_draining_open_or_excluded(flags: list[tuple[bool, bool
         assert {a.node_id for a in d.alternatives} <= usable - {d.node_id}
 
 
-def test_overloaded_skipped_while_another_is_below() -> None:
-    # The overloaded peer is idle and the other busy: load alone would pick it.
+def test_equal_peers_split_evenly_when_fewer_than_the_draw() -> None:
+    # Two candidates, three wanted (the d choices and the alternatives): the exact draw
+    # must still come in a random order, or every tie goes to the first in the table.
+    counts = picks(router([row("a", in_flight=4), row("b", in_flight=4)]), 400)
+    assert min(counts["a"], counts["b"]) > 150
+
+
+def test_overloaded_peers_get_less_traffic_but_are_not_filtered() -> None:
+    rows = [row(f"ok{i}", in_flight=4) for i in range(3)] + [row("hot", in_flight=4, score=0.95,
+                                                              state=State.OVERLOADED)]
+    counts = picks(router(rows), 300, complete=False)  # each send raises its peer's load
+    assert 0 < counts["hot"] < 0.5 * min(counts[f"ok{i}"] for i in range(3))
+    # Idle, it is still the cheapest place for a request: its queue is what its score says.
     r = router([row("hot", score=0.95, state=State.OVERLOADED), row("busy", score=0.6, in_flight=40)])
-    assert picks(r, 200) == {"busy": 200}
-    d = r.best(MODEL, None, ("busy",), NOW)
-    assert isinstance(d, Decision) and d.node_id == "hot" and d.reason == "all candidates overloaded"
+    d = r.best(MODEL, None, (), NOW)
+    assert isinstance(d, Decision) and d.node_id == "hot" and d.reason == "power of two choices"
 
 
-def test_overloaded_skipped_among_many() -> None:
-    # Enough candidates for the fast path (draws from the weight table) to find some.
-    rows = [row("hot", score=0.95, state=State.OVERLOADED)] + [row(f"b{i}", in_flight=40) for i in range(6)]
-    counts = picks(router(rows), 500)
-    assert "hot" not in counts and sum(counts.values()) == 500
+def test_one_peer_below_the_watermark_does_not_take_everything() -> None:
+    """The herd of the old overload tier: every host sent everything to the one peer not
+    overloaded. Its own sends now raise its cost like anyone's."""
+    rows = [row("cool", in_flight=4)] + [row(f"hot{i}", in_flight=4, score=0.95,
+                                              state=State.OVERLOADED) for i in range(4)]
+    counts = picks(router(rows), 200, complete=False)
+    assert counts["cool"] < 0.6 * 200
+    assert all(counts[f"hot{i}"] > 0 for i in range(4))
 
 
 def test_score_at_watermark_counts_as_overloaded_whatever_the_state() -> None:
-    r = router([row("a", score=0.9), row("b", score=0.5, in_flight=40)])
+    r = router([row("a", score=0.9, in_flight=4), row("b", score=0.5, in_flight=4)])
     assert picks(r, 100) == {"b": 100}
 
 
@@ -134,9 +147,10 @@ def test_slow_peer_weighs_more_per_request() -> None:
     assert counts == {"fast": 500}
 
 
-def streaming(node: str, *, itl_ms: float, p50_ms: float = 100.0, in_flight: int = 4) -> PeerInput:
-    base = row(node, in_flight=in_flight, p50_ms=p50_ms)
-    models = tuple(replace(m, itl_p99_ms=itl_ms) for m in base.snapshot.models)
+def figures(node: str, *, in_flight: int = 4, version: int = 1, **model: float) -> PeerInput:
+    """A peer whose model entry carries the given ModelLoad figures."""
+    base = row(node, in_flight=in_flight, version=version)
+    models = tuple(replace(m, **model) for m in base.snapshot.models)
     return replace(base, snapshot=replace(base.snapshot, models=models))
 
 
@@ -144,15 +158,70 @@ def test_streams_pace_a_peer_by_its_inter_token_latency() -> None:
     # Streamed answers' time to first byte is their head's (uvicorn sends it before any
     # token), so the P50 says nothing of speed: a peer decoding at half speed, with the
     # same P50 and queue, must lose every comparison.
-    counts = picks(router([streaming("fast", itl_ms=20), streaming("slow", itl_ms=40)]), 500)
+    counts = picks(router([figures("fast", itl_p99_ms=20), figures("slow", itl_p99_ms=40)]), 500)
     assert counts == {"fast": 500}
 
 
 def test_a_peer_not_streaming_yet_is_paced_as_the_typical_streaming_peer() -> None:
     # Its P50 (a whole answer's time) is not comparable with the others' per-token pace.
-    counts = picks(router([streaming("a", itl_ms=20), streaming("b", itl_ms=20),
+    counts = picks(router([figures("a", itl_p99_ms=20), figures("b", itl_p99_ms=20),
                            row("quiet", in_flight=4, p50_ms=5000)]), 600)
     assert counts["quiet"] > 100
+
+
+def test_the_recent_pace_ranks_before_the_window_p99() -> None:
+    # Same P99 (the tail of a window that began before "slowed" slowed down), but it
+    # decodes at 80 ms a token now.
+    counts = picks(router([figures("a", pace_ms=20, itl_p99_ms=90),
+                           figures("slowed", pace_ms=80, itl_p99_ms=90)]), 300)
+    assert counts == {"a": 300}
+
+
+def test_a_pause_between_bursts_keeps_a_peer_slow_for_a_window_only() -> None:
+    # A second without streams has no pace: the last one shown holds for the probes'
+    # window (10 s), then the peer is taken as typical again.
+    r = router([figures("fast", pace_ms=20), figures("slow", pace_ms=80)])
+    later = NOW + 2_000
+    r.update([figures("fast", pace_ms=20, version=2), figures("slow", pace_ms=0, version=2)], later)
+    assert picks(r, 200, now=later) == {"fast": 200}
+    later = NOW + 12_000
+    r.update([figures("fast", pace_ms=20, version=3), figures("slow", pace_ms=0, version=3)], later)
+    assert picks(r, 400, now=later)["slow"] > 100
+
+
+def test_a_peer_seen_queueing_is_sized_by_its_batch_the_others_by_the_largest_seen() -> None:
+    """"small" ran 4 streams, then its first tokens came 20x later with requests waiting:
+    4 is its batch. "new" has run only 2 without ever queueing: it is not taken as
+    smaller than "big", or the first peers to get traffic would keep growing."""
+    def rows(version: int, ttft_small: float, waiting_small: int) -> list[PeerInput]:
+        return [figures("small", version=version, in_flight=6, running=4, waiting=waiting_small,
+                        ttft_p99_ms=ttft_small, pace_ms=20),
+                figures("big", version=version, in_flight=6, running=6, ttft_p99_ms=50, pace_ms=20),
+                figures("new", version=version, in_flight=6, running=2, ttft_p99_ms=50, pace_ms=20)]
+    r = router(rows(1, 50, 0))
+    r.update(rows(2, 1000, 5), NOW)
+    counts = picks(r, 600)
+    assert counts["small"] == 0
+    assert abs(counts["big"] - counts["new"]) < 120
+
+
+def test_fast_failures_neither_lower_the_pace_nor_hide_the_host() -> None:
+    # "rej" answers 429 to half its requests within a millisecond: its P50 drops, but a
+    # failing window teaches no pace, and its failures price it.
+    r = router([row("ok", in_flight=4), row("rej", in_flight=4)])
+    r.update([row("ok", in_flight=4, version=2),
+              row("rej", in_flight=4, p50_ms=1, error_ratio=0.5, version=2)], NOW)
+    assert picks(r, 300) == {"ok": 300}
+
+
+def test_a_peer_once_slow_is_tried_again_once_its_window_is_quiet() -> None:
+    # While it was slow, its pace rose; once no traffic is left in its window, the pace
+    # learnt then is old news: it is taken as typical, and idle, it wins.
+    rows = [row("a", in_flight=4), row("b", in_flight=4)]
+    r = router([*rows, row("was_slow", p50_ms=3000)])
+    assert "was_slow" not in picks(r, 200)
+    r.update([*rows, row("was_slow", p50_ms=3000, rps=0, version=2)], NOW)
+    assert picks(r, 200)["was_slow"] > 100
 
 
 def test_static_models_make_a_peer_a_candidate_before_any_traffic() -> None:
@@ -266,18 +335,25 @@ def test_session_sticks_to_its_peer() -> None:
     assert isinstance(d, Decision) and d.reason == "session"
 
 
-def test_only_the_sessions_of_a_gone_or_overloaded_peer_move() -> None:
+def test_only_the_sessions_of_a_gone_peer_move_and_none_of_an_overloaded_one() -> None:
     sessions = [f"user-{i}" for i in range(400)]
     rows = [row(p, in_flight=5) for p in SESSION_PEERS]
     before = session_owners(router(rows), sessions)
-    gone = router([x for x in rows if x.node_id != "s3"])
+    gone = session_owners(router([x for x in rows if x.node_id != "s3"]), sessions)
+    assert {s for s in sessions if gone[s] != before[s]} == {s for s in sessions if before[s] == "s3"}
+    # Overloaded by its score with its share of the load: affinity holds.
     hot = router([row(p, in_flight=5, score=0.95 if p == "s3" else 0.3) for p in SESSION_PEERS])
-    for r in (gone, hot):
-        after = session_owners(r, sessions)
-        moved = {s for s in sessions if after[s] != before[s]}
-        assert moved == {s for s in sessions if before[s] == "s3"}
-    d = hot.best(MODEL, next(s for s in sessions if before[s] == "s3"), (), NOW)
+    assert session_owners(hot, sessions) == before
+    d = hot.best(MODEL, next(s for s in sessions if before[s] == "s3"), ("s3",), NOW)
     assert isinstance(d, Decision) and d.reason == "session moved along the ring"
+
+
+def test_a_slower_peer_holds_fewer_sessions() -> None:
+    """The bound weighs each peer by what it serves per second: at equal loads a peer at
+    half the pace is over its share first."""
+    rows = [row(p, in_flight=5, p50_ms=400 if p == "s0" else 100) for p in SESSION_PEERS]
+    owners = session_owners(router(rows), [f"user-{i}" for i in range(400)])
+    assert "s0" not in owners.values()
 
 
 def test_session_leaves_a_peer_over_its_bounded_load() -> None:

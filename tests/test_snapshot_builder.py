@@ -8,6 +8,7 @@ from daemon.score import ScoreConfig, ScoreWeights
 from daemon.snapshot_builder import SnapshotBuilder
 from daemon.versioning import ChangeDetector, VersionClock, VersionStore
 from gossip.snapshot import MAX_MODELS, Endpoint, GpuLoad, HostLoad, ModelLoad, State, decode, encode
+from probes.model_id import model_id
 
 START_MS = 1_764_500_000_000
 
@@ -19,7 +20,7 @@ class Figures:
     model_id: int
     port: int = 8000
     rps: float = 50.0
-    error_ratio: float = 0.0
+    failed_ratio: float = 0.0
     p50_ms: float = 100.0
     p99_ms: float = 400.0
     waiting: int = 8
@@ -27,6 +28,7 @@ class Figures:
     ttft_p99_ms: float = math.nan
     itl_p99_ms: float = math.nan
     tokens_per_s: float = 0.0
+    pace_ms: float = math.nan
     window_tokens: int = 0
     mean_in_flight: float = 0.0
     e2e_tokens: int = 0
@@ -182,7 +184,7 @@ def test_version_survives_restart_with_clock_stepped_back(tmp_path: Path) -> Non
 def test_bad_probe_figures_are_bounded() -> None:
     clocks = Clocks()
     snap, _, _ = builder(clocks).build(
-        host(), gpus(), [Figures(1, rps=math.nan, error_ratio=2.0, p50_ms=-1.0, p99_ms=math.inf,
+        host(), gpus(), [Figures(1, rps=math.nan, failed_ratio=2.0, p50_ms=-1.0, p99_ms=math.inf,
                                  waiting=-3, running=-1, tokens_per_s=math.inf)]
     )
     assert snap.models == (ModelLoad(1, 8000, 0.0, 1.0, 0.0, 0.0, 0),)
@@ -203,3 +205,14 @@ def test_state_follows_the_score_peers_see() -> None:
     idle_model = Figures(1, rps=0.0, waiting=45)
     snap, _, _ = builder(clocks, weights=weights).build(HostLoad(0.6999, 1, 2, 0.0, None), [], [idle_model])
     assert (snap.score, snap.state) == (0.7, State.DEGRADED)
+
+
+def test_models_the_server_lists_are_published_before_their_first_request() -> None:
+    """GET /v1/models names what the server serves: peers can route it here at once."""
+    clocks = Clocks()
+    listed = {8000: ("llama", "qwen"), 8001: ("llama",)}
+    snap, _, _ = builder(clocks).build(host(), gpus(), [Figures(model_id("llama"))], listed=listed)
+    keys = {m.key: m for m in snap.models}
+    assert set(keys) == {(model_id("llama"), 8000), (model_id("qwen"), 8000), (model_id("llama"), 8001)}
+    assert keys[(model_id("llama"), 8000)].rps == 50.0  # its traffic, not a second entry
+    assert keys[(model_id("qwen"), 8000)] == ModelLoad(model_id("qwen"), 8000, 0.0, 0.0, 0.0, 0.0, 0)

@@ -24,6 +24,16 @@ from probes.model_id import model_id
 
 # Per snapshot, the share of a rise of the P50 that the service time estimate takes.
 _SERVICE_RISE = 0.05
+# Bounds the cost of a peer failing everything to four times its price. Its failures stay
+# in its window (10 s) after it has recovered: priced out for good, it would be found
+# again only when the window turns; at four times, it is tried as soon as the others
+# hold a few requests each, and the circuit breaker stops what it still fails.
+_MIN_SUCCESS = 0.25
+# A time to first token this many times the peer's lowest, with requests waiting: queued.
+_QUEUED = 4.0
+# How long a peer's last decode pace stands for it while it streams nothing: the probes'
+# window.
+_PACE_MEMORY_MS = 10_000
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,7 @@ class RoutingConfig:
     degraded_at: float = 0.7           # score watermarks, as the snapshot builder uses them
     overloaded_at: float = 0.9
     degraded_weight: float = 0.75      # capacity factor of a degraded peer
+    overloaded_weight: float = 0.5     # capacity factor of an overloaded peer
     # A snapshot older than this no longer says anything about the peer's load: such
     # peers are used only when no peer with a fresh one is left. Three heartbeats.
     freshness_s: float = 15.0
@@ -63,8 +74,9 @@ class RoutingConfig:
             raise ValueError("own_share_half_life_s must be positive, own_share_cap >= 1")
         if self.breaker_failures < 1:
             raise ValueError("breaker_failures must be at least 1")
-        if not 0 < self.slow_start_floor <= 1 or not 0 < self.degraded_weight <= 1:
-            raise ValueError("slow_start_floor and degraded_weight must be in (0, 1]")
+        if not all(0 < w <= 1 for w in (self.slow_start_floor, self.degraded_weight,
+                                        self.overloaded_weight)):
+            raise ValueError("slow_start_floor, degraded_weight and overloaded_weight must be in (0, 1]")
         if not 0 < self.degraded_at < self.overloaded_at <= 1:
             raise ValueError("need 0 < degraded_at < overloaded_at <= 1")
         if not 0 <= self.error_ratio_threshold <= 1:
@@ -100,10 +112,12 @@ class PeerInput:
 
 class PeerState:
     """What the router knows of one peer: the latest snapshot's figures and, surviving
-    snapshots, its circuit and this node's own traffic to it since that snapshot."""
+    snapshots, its circuit, what it has shown it can run at once, and this node's own
+    traffic to it since that snapshot."""
 
-    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "snapshot", "taken_ms",
-                 "since_ms", "alive", "is_self", "in_flight", "capacity", "overloaded")
+    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "slots",
+                 "queued", "ttft_floor_ms", "snapshot", "taken_ms", "since_ms", "alive", "is_self",
+                 "in_flight", "overloaded")
 
     def __init__(self, row: PeerInput, now_ms: int, config: RoutingConfig) -> None:
         self.node_id = row.node_id
@@ -114,33 +128,61 @@ class PeerState:
         self.dones: deque[int] = deque()
         # Per model_id: the peer's time for one request without queueing.
         self.service_ms: dict[int, float] = {}
+        # Per model_id: the last decode pace its snapshots showed, and when (now_ms).
+        self.paces: dict[int, tuple[float, int]] = {}
+        # The most streams seen running at once; whether the peer has been seen queueing
+        # (then slots is its batch); the lowest time to first token it has shown.
+        self.slots = 0
+        self.queued = False
+        self.ttft_floor_ms = 0.0
         self.snapshot = row.snapshot
-        self._learn_service(row.snapshot)
+        self.since_ms: int | None = row.since_ms
+        self._learn(row.snapshot, now_ms, config)
         self.refresh(row, now_ms, config)
 
     def refresh(self, row: PeerInput, now_ms: int, config: RoutingConfig) -> None:
         snap = row.snapshot
+        if row.since_ms != self.since_ms:
+            # Rejoined or recovered: perhaps restarted with another batch size.
+            self.slots, self.queued, self.ttft_floor_ms = 0, False, 0.0
         # A version names one content: learn from each content once.
         if (snap.version, snap.timestamp_ms) != (self.snapshot.version, self.snapshot.timestamp_ms):
-            self._learn_service(snap)
+            self._learn(snap, now_ms, config)
         self.snapshot = snap
         self.taken_ms: int = now_ms - row.age_ms
-        self.since_ms: int | None = row.since_ms
+        self.since_ms = row.since_ms
         self.alive: bool = row.alive
         self.is_self: bool = row.is_self
         self.in_flight: int = sum(m.in_flight for m in snap.models)
-        # GPUs are what serves requests; a host without GPUs (CPU inference) counts as one.
-        self.capacity: int = max(1, sum(g.healthy for g in snap.gpus))
         self.overloaded: bool = snap.state is State.OVERLOADED or snap.score >= config.overloaded_at
         self.forget_before(self.taken_ms)
 
-    def _learn_service(self, snap: LoadSnapshot) -> None:
-        """Tracks the low envelope of each model's P50: it follows a drop at once and a
-        rise slowly. The P50 itself includes the queueing the in-flight count already
-        accounts for; counted twice, a peer that had a queue looks slow long after the
-        queue is gone (the P50 window is 10 s) and sits idle while others queue."""
+    def _learn(self, snap: LoadSnapshot, now_ms: int, config: RoutingConfig) -> None:
+        """What the peer has shown it can run at once, and its pace.
+
+        A continuously batching server runs up to its batch and queues the rest, so the
+        most streams seen running together is its batch once it has queued, and only a
+        lower bound before (it may never have had more to run): build() reads it so.
+        Queueing shows as the time to first token rising far above the lowest the peer
+        has shown with requests waiting, its own baseline: no absolute figure fits both a
+        50 ms and a 5 s prefill.
+
+        The pace of a model not streamed: the low envelope of its P50, which follows a
+        drop at once and a rise slowly. The P50 itself includes the queueing the
+        in-flight count already accounts for; counted twice, a peer that had a queue looks
+        slow long after the queue is gone (the P50 window is 10 s) and sits idle while
+        others queue. A window of failing answers teaches nothing: 429s are fast."""
+        self.slots = max(self.slots, sum(m.running for m in snap.models))
+        ttft = max((m.ttft_p99_ms for m in snap.models), default=0.0)
+        if ttft > 0:
+            if self.ttft_floor_ms and ttft >= _QUEUED * self.ttft_floor_ms \
+                    and any(m.waiting for m in snap.models):
+                self.queued = True
+            self.ttft_floor_ms = min(self.ttft_floor_ms or ttft, ttft)
         for m in snap.models:
-            if m.rps > 0 and m.p50_ms > 0:
+            if m.pace_ms > 0:
+                self.paces[m.model_id] = (m.pace_ms, now_ms)
+            if m.rps > 0 and m.p50_ms > 0 and m.error_ratio <= config.error_ratio_threshold:
                 old = self.service_ms.get(m.model_id)
                 self.service_ms[m.model_id] = (
                     m.p50_ms if old is None or m.p50_ms < old else old + _SERVICE_RISE * (m.p50_ms - old))
@@ -165,24 +207,45 @@ class PeerState:
         return 1.0 if self.since_ms is None else ramp(now_ms, self.since_ms, window_ms, floor)
 
 
+def _capacity(peer: PeerState, reference: int) -> float:
+    """How many requests the peer serves at once: its batch where it has queued; where it
+    has not, at least the largest batch another candidate has shown (a peer that never
+    queued while others did is not the smaller one; taken at what it has run so far, the
+    first peers to get traffic would look bigger and bigger to every host, and the others
+    would never get the chance to show more). At least its healthy GPUs (no stream seen
+    yet), and scaled down by the share of its GPUs that failed since."""
+    snap = peer.snapshot
+    slots = peer.slots if peer.queued else max(peer.slots, reference)
+    if not snap.gpus:
+        return float(max(1, slots))
+    healthy = sum(g.healthy for g in snap.gpus)
+    return max(slots * healthy / len(snap.gpus), healthy, 0.1)
+
+
 class Candidate:
     """A peer as a candidate for one model."""
 
-    __slots__ = ("peer", "endpoint", "service_ms", "itl_ms", "weight")
+    __slots__ = ("peer", "endpoint", "service_ms", "paces", "capacity", "weight", "success")
 
-    def __init__(self, peer: PeerState, endpoint: str, service_ms: float, itl_ms: float,
-                 weight: float) -> None:
+    def __init__(self, peer: PeerState, endpoint: str, service_ms: float,
+                 paces: tuple[float, float], capacity: float, weight: float,
+                 success: float) -> None:
         self.peer = peer
         self.endpoint = endpoint
         # The peer's pace on this model, to weigh a queued request on a slow peer above one
-        # on a fast peer: build() sets it to the inter-token latency where streams show it
-        # (the decode speed every request on the peer gets, whatever its length; a P99,
-        # so a slowdown shows within a few tokens), else the time of one request without
-        # queueing (the P50 envelope).
+        # on a fast peer: build() sets it to the gap between a stream's tokens where streams
+        # show it (the decode speed every request on the peer gets, whatever its length),
+        # else the time of one request without queueing (the P50 envelope).
         self.service_ms = service_ms
-        self.itl_ms = itl_ms
+        # The token gaps the snapshot has: (the median over the last second, the window's
+        # P99); 0 where it has none. An agent before pace_ms sends only the P99.
+        self.paces = paces
+        self.capacity = capacity
         # Capacity times health: the sampling weight before slow start.
         self.weight = weight
+        # The share of its answers to the model that succeed: a request sent to a peer
+        # rejecting half of them costs two sends.
+        self.success = success
 
 
 @dataclass
@@ -206,27 +269,41 @@ def _serving_entry(loads: Sequence[ModelLoad]) -> ModelLoad:
     return max(loads, key=lambda m: (m.rps, -m.port))
 
 
-def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfig) -> Candidate:
+def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfig,
+               reference: int, now_ms: int) -> Candidate:
     snap = peer.snapshot
-    service = itl = 0.0
-    errors = False
+    service = 0.0
+    paces = (0.0, 0.0)
+    failing = 0.0
     if loads:
         entry = _serving_entry(loads)
         hosts = [e.host for e in snap.endpoints if e.port == entry.port]
         endpoint = _host_port(hosts[0] if hosts else snap.endpoints[0].host, entry.port)
-        service = peer.service_ms.get(entry.model_id, 0.0)
-        itl = entry.itl_p99_ms
-        if entry.rps > 0:
-            errors = entry.error_ratio > config.error_ratio_threshold
+        # A second without a stream says nothing of the pace: the one shown last holds
+        # for a window (a slow peer between two bursts is still slow), then it is old
+        # news and the peer is taken as typical, so that one slow once is tried again.
+        pace, at = peer.paces.get(entry.model_id, (0.0, 0))
+        paces = (entry.pace_ms or (pace if now_ms - at <= _PACE_MEMORY_MS else 0.0),
+                 entry.itl_p99_ms)
+        if entry.rps > 0:  # likewise the P50 envelope, without traffic in the window
+            service = peer.service_ms.get(entry.model_id, 0.0)
+            failing = entry.error_ratio
     else:
         endpoint = _host_port(snap.endpoints[0].host, snap.endpoints[0].port)
-    degraded = (errors or snap.state is State.DEGRADED or snap.score >= config.degraded_at)
-    weight = peer.capacity * (config.degraded_weight if degraded else 1.0)
-    return Candidate(peer, endpoint, service, itl, weight)
+    if peer.overloaded:
+        health = config.overloaded_weight
+    elif (failing > config.error_ratio_threshold or snap.state is State.DEGRADED
+          or snap.score >= config.degraded_at):
+        health = config.degraded_weight
+    else:
+        health = 1.0
+    capacity = _capacity(peer, reference)
+    return Candidate(peer, endpoint, service, paces, capacity, capacity * health,
+                     max(_MIN_SUCCESS, 1.0 - failing))
 
 
 def build(peers: Sequence[PeerState], config: RoutingConfig,
-          static_ids: Mapping[str, frozenset[int]]) -> dict[int, ModelCandidates]:
+          static_ids: Mapping[str, frozenset[int]], now_ms: int) -> dict[int, ModelCandidates]:
     """Per model_id, its candidates and the table to draw them from."""
     loads: dict[int, dict[str, list[ModelLoad]]] = {}
     known: dict[int, list[PeerState]] = {}
@@ -241,13 +318,19 @@ def build(peers: Sequence[PeerState], config: RoutingConfig,
     by_id = {p.node_id: p for p in peers}
     out: dict[int, ModelCandidates] = {}
     for mid, peers_known in known.items():
-        cands = [_candidate(by_id[n], entries, config) for n, entries in loads.get(mid, {}).items()]
+        serving = loads.get(mid, {})
+        reference = max((by_id[n].slots for n in serving), default=0)
+        cands = [_candidate(by_id[n], entries, config, reference, now_ms)
+                 for n, entries in serving.items()]
         # One measure of pace for all of a model's candidates, so that they compare: the
-        # inter-token latency once any streams, the request time while none does. A peer
-        # without the figure is taken as typical of the others.
-        if any(c.itl_ms > 0 for c in cands):
-            for c in cands:
-                c.service_ms = c.itl_ms
+        # token gap once any streams (the recent median where any peer sends it, else the
+        # P99 of older agents), the request time while none does. A peer without the
+        # figure (idle, or not streaming) is taken as typical of the others.
+        for i in range(2):
+            if any(c.paces[i] > 0 for c in cands):
+                for c in cands:
+                    c.service_ms = c.paces[i]
+                break
         measured = [c.service_ms for c in cands if c.service_ms > 0]
         typical = statistics.median(measured) if measured else 1.0
         for c in cands:

@@ -9,7 +9,7 @@ knowing the loads while spreading each host's traffic, and each host draws diffe
 
 Two paths, so that the common case costs a few draws rather than a pass over the peers:
 `draw` samples from a weight table built when the peer table changes and rejects what the
-request cannot use (excluded, circuit open, overloaded, a slow-start coin toss); when
+request cannot use (excluded, circuit open, stale, a slow-start coin toss); when
 rejections pile up it gives up and the caller filters exactly and uses `draw_exact`.
 """
 
@@ -60,9 +60,8 @@ class WeightedTable(Generic[T]):
 def draw_exact(rng: random.Random, items: Sequence[T], weights: Sequence[float], count: int) -> list[T]:
     """`count` distinct items (all of them if fewer), drawn without replacement with
     probability proportional to weight (Efraimidis and Spirakis: the largest
-    u ** (1 / w))."""
-    if len(items) <= count:
-        return list(items)
+    u ** (1 / w)). All of them still come in a drawn order: the first two are the d
+    choices, and a tie between them goes to the first."""
     keyed = ((rng.random() ** (1.0 / w), i) for i, w in enumerate(weights))
     return [items[i] for _, i in heapq.nlargest(count, keyed)]
 

@@ -9,20 +9,22 @@ The choice (docs/routing.md has the reasoning and the measurements):
 
 1. Candidates for M: alive, serving M, not draining, with an endpoint (candidates.py);
    per request, not excluded and circuit not open.
-2. Tiers: peers with a fresh snapshot below the overload watermark; failing those, peers
-   with a stale one; failing those, overloaded peers. Only the first non-empty tier is used.
+2. Peers with a fresh snapshot; failing those, peers with a stale one. Overload is no
+   filter: a filter that leaves one peer takes everything from every host at once.
 3. With a session: the session's peer on the consistent-hash ring, walking clockwise past
    peers that are unusable or over their bounded load.
 4. Otherwise (or when no ring peer can take it): d peers drawn with probability
-   proportional to their effective capacity (healthy GPUs, times degraded_weight when
-   degraded, times the slow-start ramp), and the one with the lowest cost wins:
+   proportional to their effective capacity (what the peer has shown it runs at once,
+   times degraded_weight or overloaded_weight, times the slow-start ramp), and the one
+   with the lowest cost wins:
 
-       cost = (load + 1) * service time / effective capacity
+       cost = (load + 1) * pace / (effective capacity * success)
 
    load is the snapshot's in-flight count corrected by this node's own sends and
-   completions since the snapshot was taken, scaled to the fleet (p2c.OwnShare); the
-   service time is the low envelope of the model's P50 on that peer, so a queued request
-   on a slow peer weighs more than one on a fast peer.
+   completions since the snapshot was taken, scaled to the fleet (p2c.OwnShare); the pace
+   is the median gap between a stream's tokens over the last second where the model
+   streams, else the low envelope of its P50
+   (candidates.py); success is the share of the peer's answers that do not fail.
 
 A Router is not thread-safe: the agent calls it from its event loop only.
 """
@@ -66,8 +68,7 @@ _ALL = {
     "circuit open": "all circuits open",
 }
 _Usable = Callable[[Candidate], bool]
-_TIER_REASONS = ("power of two choices", "stale view: no candidate has a fresh snapshot",
-                 "all candidates overloaded")
+_TIER_REASONS = ("power of two choices", "stale view: no candidate has a fresh snapshot")
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,10 @@ class Router:
                 self._peers[node_id] = PeerState(row, now_ms, self.config)
             else:
                 peer.refresh(row, now_ms, self.config)
-        self._models = build(list(self._peers.values()), self.config, self._static_ids)
+        self._models = build(list(self._peers.values()), self.config, self._static_ids, now_ms)
         self._fleet_rps = sum(m.rps for p in self._peers.values() if p.alive for m in p.snapshot.models)
-        # A ring stays valid while its model's candidate set is the same: a peer that
-        # turns overloaded or opens its circuit is skipped per request instead.
+        # A ring stays valid while its model's candidate set is the same: a peer whose
+        # circuit opens is skipped per request instead.
         self._rings = {mid: ring for mid, ring in self._rings.items()
                        if mid in self._models and ring.nodes == frozenset(self._models[mid].by_node)}
 
@@ -140,11 +141,11 @@ class Router:
 
         def usable(c: Candidate) -> bool:
             p = c.peer
-            return (not p.overloaded and p.node_id not in excluded
-                    and p.fresh(now_ms, self._freshness_ms) and p.breaker.allows(now_ms))
+            return (p.node_id not in excluded and p.fresh(now_ms, self._freshness_ms)
+                    and p.breaker.allows(now_ms))
 
         if session is not None and entry.candidates:
-            by_ring = self._by_session(entry, session, usable, share, now_ms)
+            by_ring = self._by_session(entry, session, usable, now_ms)
             if by_ring is not None:
                 return self._decide(*by_ring, now_ms)
 
@@ -193,23 +194,35 @@ class Router:
     def _effective_capacity(self, c: Candidate, now_ms: int) -> float:
         return c.weight * c.peer.ramp(now_ms, self._ramp_ms, self.config.slow_start_floor)
 
-    def _cost(self, c: Candidate, share: float, now_ms: int) -> float:
-        return (c.peer.load(share) + 1) * c.service_ms / self._effective_capacity(c, now_ms)
+    def _rate(self, c: Candidate, now_ms: int) -> float:
+        """What a peer serves per unit of time, for the sessions' bound: its capacity at
+        its pace, so that a slower or smaller peer holds fewer sessions. Health does not
+        enter: an overload rule must not break affinity; the load does that, through the
+        bound, and only for as many sessions as the peer is over."""
+        ramp = c.peer.ramp(now_ms, self._ramp_ms, self.config.slow_start_floor)
+        return c.capacity * ramp / c.service_ms
 
-    def _by_session(self, entry: ModelCandidates, session: str, usable: _Usable, share: float,
+    def _cost(self, c: Candidate, share: float, now_ms: int) -> float:
+        return ((c.peer.load(share) + 1) * c.service_ms
+                / (self._effective_capacity(c, now_ms) * c.success))
+
+    def _by_session(self, entry: ModelCandidates, session: str, usable: _Usable,
                     now_ms: int) -> tuple[list[Candidate], str] | None:
+        """The bound is on the snapshots' in-flight counts alone, which every host sees
+        alike: with this node's own sends in it, scaled to the fleet, two hosts asked about
+        one session at the same moment would often disagree on whether its peer is full."""
         ring = self._rings.get(entry.model_id)
         if ring is None:
             ring = self._rings[entry.model_id] = HashRing(entry.by_node, self.config.vnodes)
-        total_load = sum(c.peer.load(share) for c in entry.candidates)
-        total_capacity = sum(c.weight for c in entry.candidates)
+        total_load = sum(c.peer.in_flight for c in entry.candidates)
+        total_capacity = sum(self._rate(c, now_ms) for c in entry.candidates)
         chosen: Candidate | None = None
         moved = False
         alternatives: list[Candidate] = []
         for node_id in ring.walk(session):
             c = entry.by_node[node_id]
             if chosen is None:
-                if usable(c) and within_bound(c.peer.load(share), self._effective_capacity(c, now_ms),
+                if usable(c) and within_bound(c.peer.in_flight, self._rate(c, now_ms),
                                               total_load, total_capacity, self.config.epsilon):
                     chosen = c
                 else:
@@ -224,12 +237,12 @@ class Router:
 
     def _draw_filtered(self, entry: ModelCandidates, excluded: Collection[str],
                        now_ms: int) -> tuple[list[Candidate], str]:
-        tiers: tuple[list[Candidate], ...] = ([], [], [])
+        tiers: tuple[list[Candidate], ...] = ([], [])
         for c in entry.candidates:
             p = c.peer
             if p.node_id in excluded or not p.breaker.allows(now_ms):
                 continue
-            tiers[2 if p.overloaded else 0 if p.fresh(now_ms, self._freshness_ms) else 1].append(c)
+            tiers[0 if p.fresh(now_ms, self._freshness_ms) else 1].append(c)
         for tier, reason in zip(tiers, _TIER_REASONS, strict=True):
             if tier:
                 weights = [self._effective_capacity(c, now_ms) for c in tier]

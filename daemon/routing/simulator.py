@@ -14,7 +14,8 @@ long, so the mean load is exact however the draws fall. Each request goes to one
 The view. Each server runs the agent's real SnapshotBuilder every tick on what the probes
 would see: GPU utilisation as the share of the tick with any request running (what NVML
 reports), requests in flight (queued or running), completions per second and latency
-percentiles over the probes' sliding window. The builder smooths the score, applies the
+percentiles over the probes' sliding window, and as the time to first token each request's
+wait for a slot (every request a stream, so the router can tell when a server queued). The builder smooths the score, applies the
 deadbands and the heartbeat, and only a new version is gossiped: it reaches each router
 after a delay drawn in `gossip_delay_s`. So a router's view of a server is 0.5 s to a few
 seconds old, exactly as the real mesh would make it.
@@ -90,12 +91,13 @@ class SimConfig:
     tick_s: float = 1.0               # the agent's snapshot tick
     window_s: float = 10.0            # the probes' percentile window
     gossip_delay_s: tuple[float, float] = (0.5, 2.0)
-    # The operator's P99 target: twice the slowest server's P99 without queueing (10 s).
-    # docs/routing.md shows what a tighter one does at 95 % load.
     tokens_per_request: int = 64  # output tokens of each answer, for the score's queue
     sample_s: float = 0.1
     swing_window_s: float = 2.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+_PREFILL_MS = 1.0
 
 
 class _Figures(NamedTuple):
@@ -104,7 +106,7 @@ class _Figures(NamedTuple):
     model_id: int
     port: int
     rps: float
-    error_ratio: float
+    failed_ratio: float
     p50_ms: float
     p99_ms: float
     waiting: int
@@ -112,6 +114,7 @@ class _Figures(NamedTuple):
     ttft_p99_ms: float
     itl_p99_ms: float
     tokens_per_s: float
+    pace_ms: float
     window_tokens: int
     mean_in_flight: float
     e2e_tokens: int
@@ -134,6 +137,9 @@ class _Server:
         self.busy = 0
         self.queue: deque[int] = deque()
         self.window: deque[tuple[float, float]] = deque()  # (completion time, latency ms)
+        # (start of service, ms waited before it): as a stream's time to its first token,
+        # with a millisecond of prefill.
+        self.waits: deque[tuple[float, float]] = deque()
         self.completed_in_tick = 0
         self.busy_time = 0.0
         self.busy_since = 0.0
@@ -159,12 +165,15 @@ class _Server:
         while self.window and self.window[0][0] <= now - config.window_s:
             self.window.popleft()
         latencies = sorted(lat for _, lat in self.window)
+        while self.waits and self.waits[0][0] <= now - config.window_s:
+            self.waits.popleft()
+        ttft = _percentile(sorted(w for _, w in self.waits), 0.99) + _PREFILL_MS
         tokens = len(self.window) * config.tokens_per_request
         figures = _Figures(mid, 8000, self.completed_in_tick / config.tick_s, 0.0,
                            _percentile(latencies, 0.5), _percentile(latencies, 0.99),
-                           len(self.queue), self.busy, math.nan, math.nan,
-                           tokens / config.window_s, tokens, float(self.in_system), tokens,
-                           sum(latencies) / 1000)
+                           len(self.queue), self.busy, ttft, math.nan,
+                           tokens / config.window_s, math.nan, tokens, float(self.in_system),
+                           tokens, sum(latencies) / 1000)
         self.completed_in_tick = 0
         gpus = [GpuLoad(g, util, 73_728, 81_920, 60, 400, 700, 0, 1, True) for g in range(self.gpus)]
         snap, new, _ = self.builder.build(HostLoad(0.2, 200_000, 1_000_000, 4.0, None), gpus, [figures])
@@ -332,6 +341,7 @@ def _run(policy_name: str, load: float, seed: int, config: SimConfig) -> _Run:
     at(config.warmup_s, _SAMPLE)
 
     def start(s: _Server, req: int, now: float) -> None:
+        s.waits.append((now, (now - born[req]) * 1000))
         if s.busy == 0:
             s.busy_since = now
         s.busy += 1
