@@ -138,11 +138,9 @@ class ModelLister:
             self._listed[port] = names
 
     async def run(self) -> None:
-        """Lists now and every interval_s; set `wake` after changing ports or interval_s
-        (0: no listing)."""
+        """Lists every interval_s, after a first wait (the caller lists once at start);
+        set `wake` after changing ports or interval_s (0: no listing)."""
         while True:
-            if self.interval_s > 0:
-                await self.refresh()
             # A server still loading its model (minutes, for a large one) is asked again
             # soon: its first requests may come from peers only once it is listed.
             wait = min(self.interval_s, RETRY_S) if self._failing else self.interval_s
@@ -151,3 +149,5 @@ class ModelLister:
             except TimeoutError:
                 pass
             self.wake.clear()
+            if self.interval_s > 0:
+                await self.refresh()
