@@ -9,6 +9,8 @@ there and reports back. One run of open-loop arrivals, with events along it:
           429 to everything             idle now, is chosen again within 10 s
     35 s  b accepts again               b, idle, is chosen again within 10 s
 
+The agents run shipped defaults: no static_models, so every agent names every host
+before the first request only because each learnt its server's model from /v1/models.
 The same arrivals and the shares are what scripts/bench_fleet.py measures on five hosts.
 """
 
