@@ -27,6 +27,7 @@ MAX_BODY = 256 * 1024
 MAX_NAME = 256
 TIMEOUT_S = 2.0
 RETRY_S = 5.0
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 class ListingError(Exception):
@@ -122,10 +123,20 @@ class ModelLister:
         """port -> the model names its server listed last (ports no longer served left out)."""
         return {p: names for p, names in self._listed.items() if p in self.ports}
 
+    async def _fetch(self, port: int) -> list[str]:
+        """From the address peers are sent to, else from loopback: a server may listen on
+        either alone."""
+        try:
+            return await fetch_models(self.host, port)
+        except ListingError:
+            if self.host in LOOPBACK:
+                raise
+            return await fetch_models(LOOPBACK[0], port)
+
     async def refresh(self) -> None:
         for port in self.ports:
             try:
-                names = tuple(await fetch_models(self.host, port))
+                names = tuple(await self._fetch(port))
             except ListingError as exc:
                 if port not in self._failing:
                     log.warning("port %d: GET /v1/models: %s; routing learns its models from "

@@ -83,6 +83,13 @@ def test_a_server_down_or_silent_is_an_error_not_a_hang(server: int) -> None:
             asyncio.run(fetch_models("127.0.0.1", silent.getsockname()[1]))
 
 
+def test_a_server_on_loopback_alone_is_asked_there(server: int) -> None:
+    # The advertised address refuses (the server listens on 127.0.0.1 only): loopback answers.
+    lister = ModelLister("127.0.0.2", [server], 30.0)
+    asyncio.run(lister.refresh())
+    assert lister.listed() == {server: ("llama", "qwen")}
+
+
 def test_a_port_keeps_its_last_listing_while_its_server_is_away(server: int) -> None:
     down = free_port()
     lister = ModelLister("127.0.0.1", [server, down], 30.0)
