@@ -55,9 +55,7 @@ _NAN = float("nan")
 KINDS = abi.names("LM_HK_", "LM_HK_COUNT")  # ("ttfb", "ttft", "itl", "e2e")
 ENDPOINTS = abi.endpoint_names()  # ("other", "chat", ...)
 OUTCOMES = abi.outcome_names()  # ("complete", "error", "aborted", ...)
-# Outcomes of requests the host did not see through: counted against it. A stream error
-# is the "error" outcome, already among the errors.
-_CUT = tuple(OUTCOMES.index(o) for o in ("aborted", "truncated", "unanswered"))
+OUT_COMPLETE, OUT_ERROR = (OUTCOMES.index(o) for o in ("complete", "error"))
 PACE_S = 1.0
 TTFB, TTFT, ITL, E2E = (KINDS.index(k) for k in ("ttfb", "ttft", "itl", "e2e"))
 EP_OTHER = ENDPOINTS.index("other")
@@ -238,8 +236,7 @@ class _Figures:
         self.usage = RequestStats()  # since the start
         self.window_status: dict[int, int] = {}
         self.window_hist: list[dict[int, int]] = [{} for _ in KINDS]  # kind -> bucket -> n
-        self.window_errors = 0  # stream errors in the window
-        self.window_outcomes = [0] * len(OUTCOMES)
+        self.window_outcomes = [0] * len(OUTCOMES)  # "error": a stream that carried one
         self.window_tokens = 0
         self.window_e2e_tokens = 0  # of the answers that ended in the window, timed
         self.window_e2e_ns = 0
@@ -401,7 +398,6 @@ class FingerprintReader:
                     fig.events += n
         for key, d in iv.requests.items():
             fig = self._fig(key)
-            fig.window_errors += sign * d.error
             fig.window_tokens += sign * _tokens_of(d)
             fig.window_e2e_tokens += sign * d.e2e_tokens
             fig.window_e2e_ns += sign * d.e2e_ns
@@ -467,21 +463,22 @@ class FingerprintReader:
             status: dict[int, int] = {}
             window: dict[int, int] = {}
             hist: list[dict[int, int]] = [{} for _ in KINDS]
-            errors = tokens = cut = ended = 0
+            errors = tokens = unfinished = ended = 0
             for f in figs:
                 buckets.add_into(status, f.status)
                 buckets.add_into(window, f.window_status)
                 for kind, counts in enumerate(f.window_hist):
                     buckets.add_into(hist[kind], counts)
-                errors += f.window_errors
+                errors += f.window_outcomes[OUT_ERROR]
                 tokens += f.window_tokens
-                cut += sum(f.window_outcomes[i] for i in _CUT)
+                # stream errors, and requests aborted, cut short or never answered
+                unfinished += sum(f.window_outcomes) - f.window_outcomes[OUT_COMPLETE]
                 ended += sum(f.window_outcomes)
             n = sum(window.values())
             fives = sum(c for s, c in window.items() if 500 <= s <= 599)
             # An answer's status counts at its first byte, its outcome at its end: either
             # can be ahead, and a request never answered has no status at all.
-            failed = fives + window.get(429, 0) + errors + cut
+            failed = fives + window.get(429, 0) + unfinished
             flight = [snap.inflight.get(k, InFlight(0, 0)) for k in keys]
             ttfb = _percentiles(hist[TTFB])
             out.append(ModelStats(
@@ -532,7 +529,7 @@ class FingerprintReader:
                 for kind, counts in enumerate(f.window_hist):
                     buckets.add_into(hist[kind], counts)
                 outcomes = [a + b for a, b in zip(outcomes, f.outcomes)]
-                errors += f.window_errors
+                errors += f.window_outcomes[OUT_ERROR]
                 tokens += f.window_tokens
             flight = [snap.inflight.get(k, InFlight(0, 0)) for k in keys]
             waiting = sum(f.waiting for f in flight)
