@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from daemon import logs
 from gossip.snapshot import MAX_MODELS
+from probes.model_id import model_id
 
 log = logs.get("models")
 
@@ -115,12 +116,13 @@ class ModelLister:
         self.host = host
         self.ports = tuple(ports)
         self.interval_s = interval_s
-        self._listed: dict[int, tuple[str, ...]] = {}
+        self._listed: dict[int, dict[int, str]] = {}  # port -> model_id -> name
         self._failing: set[int] = set()
         self.wake = asyncio.Event()
 
-    def listed(self) -> dict[int, tuple[str, ...]]:
-        """port -> the model names its server listed last (ports no longer served left out)."""
+    def listed(self) -> dict[int, dict[int, str]]:
+        """port -> model_id -> name of the models its server listed last (ports no longer
+        served left out)."""
         return {p: names for p, names in self._listed.items() if p in self.ports}
 
     async def _fetch(self, port: int) -> list[str]:
@@ -136,7 +138,7 @@ class ModelLister:
     async def refresh(self) -> None:
         for port in self.ports:
             try:
-                names = tuple(await self._fetch(port))
+                names = {model_id(name): name for name in await self._fetch(port)}
             except ListingError as exc:
                 if port not in self._failing:
                     log.warning("port %d: GET /v1/models: %s; routing learns its models from "
@@ -144,7 +146,7 @@ class ModelLister:
                     self._failing.add(port)
                 continue
             if port in self._failing or self._listed.get(port) != names:
-                log.info("port %d serves %s", port, ", ".join(names) or "no model")
+                log.info("port %d serves %s", port, ", ".join(names.values()) or "no model")
             self._failing.discard(port)
             self._listed[port] = names
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -33,7 +33,6 @@ from gossip.snapshot import (
     ModelLoad,
     wire_score,
 )
-from probes.model_id import model_id
 
 log = logging.getLogger(__name__)
 
@@ -131,15 +130,16 @@ class SnapshotBuilder:
         gpus: Sequence[GpuLoad],
         models: Sequence[ModelFigures],
         draining: bool = False,
-        listed: Mapping[int, Sequence[str]] | None = None,
+        listed: Mapping[int, Collection[int]] | None = None,
     ) -> tuple[LoadSnapshot, bool, bool]:
         """(snapshot to publish, whether its version is new, whether peers need it now).
-        listed: port -> the models its server lists (daemon/model_list.py); those without
-        traffic yet get an entry with none, so that peers know this node serves them."""
+        listed: port -> the model_ids its server lists (daemon/model_list.py); those
+        without traffic yet get an entry with none, so that peers know this node serves
+        them."""
         loads = [_model_load(m) for m in models]
         seen = {m.key for m in loads}
-        for port, names in (listed or {}).items():
-            for mid in dict.fromkeys(model_id(name) for name in names):
+        for port, ids in (listed or {}).items():
+            for mid in ids:
                 if (mid, port) not in seen:
                     loads.append(ModelLoad(mid, port, 0.0, 0.0, 0.0, 0.0, 0))
         if len(loads) > MAX_MODELS:

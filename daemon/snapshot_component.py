@@ -29,7 +29,6 @@ from daemon.snapshot_builder import SnapshotBuilder
 from daemon.snapshot_view import snapshot_json
 from daemon.versioning import ChangeDetector, VersionClock, VersionStore
 from gossip.snapshot import Endpoint, LoadSnapshot
-from probes.model_id import model_id
 
 log = logs.get("snapshot")
 
@@ -212,5 +211,6 @@ class SnapshotComponent:
             return Response.error(HTTPStatus.SERVICE_UNAVAILABLE, "no snapshot yet")
         names = self.probes.model_names()
         if self._lister is not None:
-            names.update((model_id(n), n) for listed in self._lister.listed().values() for n in listed)
+            for listed in self._lister.listed().values():
+                names.update(listed)
         return Response.json(snapshot_json(snap, self.gpu.devices, names))

@@ -17,6 +17,7 @@ from daemon.model_list import (MAX_NAME, ListingError, ModelLister, _body, fetch
                                parse_models)
 from gossip.snapshot import MAX_MODELS
 from metrics_helpers import free_port
+from probes.model_id import model_id
 from nettopo import stop_process
 
 LLM_SERVER = str(Path(__file__).with_name("llm_server.py"))
@@ -87,14 +88,14 @@ def test_a_server_on_loopback_alone_is_asked_there(server: int) -> None:
     # The advertised address refuses (the server listens on 127.0.0.1 only): loopback answers.
     lister = ModelLister("127.0.0.2", [server], 30.0)
     asyncio.run(lister.refresh())
-    assert lister.listed() == {server: ("llama", "qwen")}
+    assert lister.listed() == {server: {model_id("llama"): "llama", model_id("qwen"): "qwen"}}
 
 
 def test_a_port_keeps_its_last_listing_while_its_server_is_away(server: int) -> None:
     down = free_port()
     lister = ModelLister("127.0.0.1", [server, down], 30.0)
     asyncio.run(lister.refresh())
-    assert lister.listed() == {server: ("llama", "qwen")}
+    assert lister.listed() == {server: {model_id("llama"): "llama", model_id("qwen"): "qwen"}}
     lister.ports = (down,)
     asyncio.run(lister.refresh())
     assert lister.listed() == {}  # a port no longer served is not listed

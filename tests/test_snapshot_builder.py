@@ -210,7 +210,8 @@ def test_state_follows_the_score_peers_see() -> None:
 def test_models_the_server_lists_are_published_before_their_first_request() -> None:
     """GET /v1/models names what the server serves: peers can route it here at once."""
     clocks = Clocks()
-    listed = {8000: ("llama", "qwen"), 8001: ("llama",)}
+    listed = {8000: {model_id("llama"): "llama", model_id("qwen"): "qwen"},
+              8001: {model_id("llama"): "llama"}}
     snap, _, _ = builder(clocks).build(host(), gpus(), [Figures(model_id("llama"))], listed=listed)
     keys = {m.key: m for m in snap.models}
     assert set(keys) == {(model_id("llama"), 8000), (model_id("qwen"), 8000), (model_id("llama"), 8001)}
