@@ -6,9 +6,9 @@ sending a fixed list of arrivals by one routing policy, and writing what each re
 
 PLAN holds the arrivals (time, entry host, max_tokens, prompt length, streamed or not,
 session), the moment time 0 is (start_at, on time.monotonic(), the same clock in every
-process: optional, else now), the hosts (server URL, agent socket, name), events (at time t, POST `engine`
-to host number `host`'s /engine: a slowdown, a server that starts rejecting) and the
-policy:
+process: optional, else now), the hosts (server URL, agent socket, name), events (at time
+t, POST `engine` to host number `host`'s /engine: a slowdown, a server that starts
+rejecting) and the policy:
 
   loadmesh    ask the entry host's agent (GET /v1/best on its Unix socket), send there,
               report the outcome (POST /v1/feedback), as a gateway on that host would

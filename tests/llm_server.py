@@ -16,12 +16,11 @@ the running have a token out, and when the next step comes, for tests to sample 
 moment; also its batch size and step), POST /engine
 {"step_ms": x, "max_waiting": n}, either key optional (the engine slows down or speeds up
 from its next step, a GPU throttling; with max_waiting 0 it answers 429 to every request:
-for scripts/bench_fleet.py and the fleet tests). `--name` goes into every answer's id ("chatcmpl-NAME-..."),
-`--model` (repeatable) names what /v1/models lists (any name is served),
-so a client behind a router can tell which server answered. A request may add
-"fail_after": k
-(a stream sends an error event after k tokens, as vLLM does for a failure inside a
-stream). Run inside a namespace:
+for scripts/bench_fleet.py and the fleet tests). `--name` goes into every answer's id
+("chatcmpl-NAME-..."), so a client behind a router can tell which server answered.
+`--model` (repeatable) names what /v1/models lists; any name is served. A request may add
+"fail_after": k (a stream sends an error event after k tokens, as vLLM does for a failure
+inside a stream). Run inside a namespace:
 
     python3 tests/llm_server.py --port 8000      # prints "ready" once listening
 """
@@ -269,7 +268,8 @@ def main() -> None:
                         "is served; default: fake)")
     args = parser.parse_args()
     engine = Engine(args.slots, args.step_ms, args.prefill_ms, args.max_waiting)
-    config = uvicorn.Config(Server(engine, args.name, tuple(args.model or ("fake",))).app, host=args.host, port=args.port,
+    app = Server(engine, args.name, tuple(args.model or ("fake",))).app
+    config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level="warning", http="httptools", loop="uvloop",
                             timeout_keep_alive=60)
     serve(uvicorn.Server(config))

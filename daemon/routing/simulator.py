@@ -15,9 +15,9 @@ The view. Each server runs the agent's real SnapshotBuilder every tick on what t
 would see: GPU utilisation as the share of the tick with any request running (what NVML
 reports), requests in flight (queued or running), completions per second and latency
 percentiles over the probes' sliding window, and as the time to first token each request's
-wait for a slot (every request a stream, so the router can tell when a server queued). The builder smooths the score, applies the
-deadbands and the heartbeat, and only a new version is gossiped: it reaches each router
-after a delay drawn in `gossip_delay_s`. So a router's view of a server is 0.5 s to a few
+wait for a slot (every request a stream, so the router can tell when a server queued).
+The builder smooths the score, applies the deadbands and the heartbeat, and only a new
+version is gossiped: it reaches each router after a delay drawn in `gossip_delay_s`. So a router's view of a server is 0.5 s to a few
 seconds old, exactly as the real mesh would make it.
 
 The policies, each run on the same arrivals, sizes and gossip delays (common random
