@@ -57,6 +57,10 @@ ENDPOINTS = abi.endpoint_names()  # ("other", "chat", ...)
 OUTCOMES = abi.outcome_names()  # ("complete", "error", "aborted", ...)
 OUT_COMPLETE, OUT_ERROR = (OUTCOMES.index(o) for o in ("complete", "error"))
 PACE_S = 1.0
+# The failed ratio's span. Shorter than the window: a host that has stopped failing gets
+# next to no traffic while its failures count, so they would keep it priced out for the
+# whole window. Over the last FAILED_S it is tried again soon after it recovers.
+FAILED_S = 3.0
 TTFB, TTFT, ITL, E2E = (KINDS.index(k) for k in ("ttfb", "ttft", "itl", "e2e"))
 EP_OTHER = ENDPOINTS.index("other")
 EP_EMBEDDINGS = ENDPOINTS.index("embeddings")
@@ -103,7 +107,8 @@ class ModelStats:
     error_ratio: float  # 5xx answers and streams that carried an error event
     ratio_429: float
     # What counts against the host: 5xx, 429, streams that carried an error event, and
-    # requests aborted, cut short or never answered, over the requests that ended.
+    # requests aborted, cut short or never answered, over the requests that ended, in the
+    # last FAILED_S.
     failed_ratio: float
     p50_ms: float  # time to first byte; NaN: no answer in the window
     p95_ms: float
@@ -430,21 +435,44 @@ class FingerprintReader:
         """Seconds the window's intervals cover."""
         return max(self._window[-1].end - self._window[0].start, 1e-3) if self._window else 0
 
-    def _recent_itl(self) -> dict[tuple[int, int], dict[int, int]]:
-        """Per (model, port), the inter-token gaps of the intervals ending in the last
-        PACE_S, by bucket; the endpoints that count toward the load."""
-        out: dict[tuple[int, int], dict[int, int]] = {}
+    def _recent(self) -> tuple[dict[tuple[int, int], dict[int, int]],
+                               dict[tuple[int, int], float]]:
+        """Per (model, port), over the endpoints that count toward the load: the
+        inter-token gaps of the intervals ending in the last PACE_S, by bucket; and the
+        failed ratio of those ending in the last FAILED_S."""
+        itl: dict[tuple[int, int], dict[int, int]] = {}
         if not self._window:
-            return out
-        since = self._window[-1].end - PACE_S
+            return itl, {}
+        last = self._window[-1].end
+        answers: dict[tuple[int, int], list[int]] = {}  # -> [failing statuses, statuses]
+        ends: dict[tuple[int, int], list[int]] = {}  # -> [not complete, ended]
         for iv in reversed(self._window):
-            if iv.end <= since:
+            if iv.end <= last - max(PACE_S, FAILED_S):
                 break
-            for (model, port, endpoint, kind, _status, bucket), n in iv.hist.items():
-                if kind == ITL and counts_toward_load((model, port, endpoint)):
-                    counts = out.setdefault((model, port), {})
+            pace, fail = iv.end > last - PACE_S, iv.end > last - FAILED_S
+            for (model, port, endpoint, kind, status, bucket), n in iv.hist.items():
+                if not counts_toward_load((model, port, endpoint)):
+                    continue
+                if kind == ITL and pace:
+                    counts = itl.setdefault((model, port), {})
                     counts[bucket] = counts.get(bucket, 0) + n
-        return out
+                elif kind == TTFB and fail:
+                    acc = answers.setdefault((model, port), [0, 0])
+                    acc[0] += n if status == 429 or 500 <= status <= 599 else 0
+                    acc[1] += n
+            for key, d in iv.requests.items() if fail else ():
+                if counts_toward_load(key):
+                    acc = ends.setdefault(key[:2], [0, 0])
+                    ended = sum(d[:len(OUTCOMES)])
+                    acc[0] += ended - d[OUT_COMPLETE]
+                    acc[1] += ended
+        failed = {}
+        for key in answers.keys() | ends.keys():
+            (bad, n), (unfinished, ended) = answers.get(key, (0, 0)), ends.get(key, (0, 0))
+            # An answer's status counts at its first byte, its outcome at its end: either
+            # can be ahead, and a request never answered has no status at all.
+            failed[key] = min(1.0, (bad + unfinished) / max(n, ended)) if bad + unfinished else 0.0
+        return itl, failed
 
     def _model_stats(self, snap: MapSnapshot) -> tuple[ModelStats, ...]:
         """Per (model, port): the endpoints that count toward the load, together."""
@@ -453,7 +481,7 @@ class FingerprintReader:
             if counts_toward_load(key):
                 groups.setdefault(key[:2], []).append(key)
         span = self._span()
-        pace = self._recent_itl()
+        pace, recent_failed = self._recent()
         out = []
         for (model, port), keys in sorted(groups.items(), key=lambda kv: (
                 model_name(kv[0][0], snap.models), kv[0][1])):
@@ -463,7 +491,7 @@ class FingerprintReader:
             status: dict[int, int] = {}
             window: dict[int, int] = {}
             hist: list[dict[int, int]] = [{} for _ in KINDS]
-            errors = tokens = unfinished = ended = 0
+            errors = tokens = 0
             for f in figs:
                 buckets.add_into(status, f.status)
                 buckets.add_into(window, f.window_status)
@@ -471,14 +499,8 @@ class FingerprintReader:
                     buckets.add_into(hist[kind], counts)
                 errors += f.window_outcomes[OUT_ERROR]
                 tokens += f.window_tokens
-                # stream errors, and requests aborted, cut short or never answered
-                unfinished += sum(f.window_outcomes) - f.window_outcomes[OUT_COMPLETE]
-                ended += sum(f.window_outcomes)
             n = sum(window.values())
             fives = sum(c for s, c in window.items() if 500 <= s <= 599)
-            # An answer's status counts at its first byte, its outcome at its end: either
-            # can be ahead, and a request never answered has no status at all.
-            failed = fives + window.get(429, 0) + unfinished
             flight = [snap.inflight.get(k, InFlight(0, 0)) for k in keys]
             ttfb = _percentiles(hist[TTFB])
             out.append(ModelStats(
@@ -490,7 +512,7 @@ class FingerprintReader:
                 rps=n / span if span else 0.0,
                 error_ratio=min(1.0, (fives + errors) / n) if n else 0.0,
                 ratio_429=window.get(429, 0) / n if n else 0.0,
-                failed_ratio=min(1.0, failed / max(n, ended)) if failed else 0.0,
+                failed_ratio=recent_failed.get((model, port), 0.0),
                 p50_ms=ttfb.p50,
                 p95_ms=ttfb.p95,
                 p99_ms=ttfb.p99,

@@ -13,7 +13,7 @@ import pytest
 from probes import FingerprintReader, abi, buckets
 from probes.maps import FlowKey, FlowTable, InFlight, MapSnapshot, PortStats, RequestStats, ip_bytes
 from probes.model_id import model_id
-from probes.reader import FLOWS_EVERY
+from probes.reader import FAILED_S, FLOWS_EVERY
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 QWEN = "Qwen/Qwen2.5-7B"
@@ -359,6 +359,30 @@ def test_failed_ratio_counts_429s_aborts_and_the_unanswered_against_the_host(fak
         r.poll(t + i)
     (stats,) = r.model_stats()
     assert stats.failed_ratio == 0  # the failures left the window
+
+
+def test_a_host_that_stopped_failing_is_clear_after_a_few_seconds_without_traffic(
+        fake: FakeProbes) -> None:
+    """Priced by its failures, a recovered host gets next to no traffic, so a ratio over
+    the whole window would keep it priced out until the window turns: the failed ratio
+    covers the last FAILED_S, while the window's 429s still show in the status counts."""
+    r = FingerprintReader(fake, window_s=10)
+    t = time.monotonic()
+    r.poll(t)
+    for i in range(1, 5):
+        fake.add(L, 429, 1, n=10)
+        fake.ended(L, complete=10)
+        r.poll(t + i * 0.5)
+    assert r.model_stats()[0].failed_ratio == 1.0
+    fake.add(L, 200, 40, n=1)
+    fake.ended(L, complete=1)
+    r.poll(t + 2.5)
+    assert r.model_stats()[0].failed_ratio == pytest.approx(40 / 41)
+    for i in range(6, 6 + round(FAILED_S / 0.5)):
+        r.poll(t + i * 0.5)
+    (stats,) = r.model_stats()
+    assert stats.failed_ratio == 0
+    assert stats.ratio_429 > 0.9  # still in the window
 
 
 def test_pace_is_the_median_token_gap_of_the_last_second(fake: FakeProbes) -> None:
