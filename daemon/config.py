@@ -208,7 +208,8 @@ class GossipConfig:
 class RoutingConfig:
     choices: int = _key(2, _between(1, 16), "d of the power of d choices")
     alternatives: int = _key(2, _between(0, 16), "retry targets returned with each answer")
-    epsilon: float = _key(0.25, _range(0.01, 10), "bounded-load slack of session hashing")
+    epsilon: float = _key(0.15, _range(0.01, 10), "load per slot above the fleet's, as a fraction, "
+                          "at which a host starts passing its sessions on")
     vnodes: int = _key(160, _between(100, 10_000), "ring points per peer")
     slow_start_s: float = _key(30.0, _range(0, 3600), "ramp of a joined or recovered peer")
     breaker_failures: int = _key(3, _between(1, 1000), "consecutive failures that open a circuit")

@@ -293,4 +293,14 @@ class AgentCollector(Collector):
                                        "requests, by outcome.", labels=["outcome"])
         for outcome, n in sorted(routing.feedback.items()):
             feedback.add_metric([outcome], n)
-        yield from (decisions, feedback)
+        passed = GaugeMetricFamily(
+            "loadmesh_sessions_passed_on", "The share of this node's sessions of a model that "
+            "it passes on to the next peer of their ring, as its snapshot publishes it "
+            "(docs/routing.md).", labels=["model"])
+        snap = self.agent.snapshot.current
+        if snap is not None:
+            names = self.agent.snapshot.model_names()
+            widths = {m.model_id: m.shed_width for m in snap.models}
+            for mid, width in sorted(widths.items()):
+                passed.add_metric([names.get(mid, f"{mid:016x}")], width)
+        yield from (decisions, feedback, passed)

@@ -79,6 +79,9 @@ class RoutingComponent:
         # the router keeps no history of its answers.
         self.decisions: Counter[tuple[str, str]] = Counter()
         self.feedback: Counter[str] = Counter()
+        # The router decides this node's bands of passed-on sessions; the snapshot carries
+        # them to every host. Through self.router: a reload replaces it.
+        snapshot.publish_bands(lambda model_id: self.router.band(model_id))
         api.add("GET", "/v1/best", self._best)
         api.add("POST", "/v1/feedback", self._feedback)
 
@@ -100,8 +103,9 @@ class RoutingComponent:
 
     def reconfigure(self, config: RoutingConfig) -> None:
         """Take reloaded routing settings. The router is rebuilt, so open circuits and
-        this node's own-send corrections start afresh; the candidates are back at once."""
-        self.router = Router(config)
+        this node's own-send corrections start afresh; the candidates are back at once,
+        and the sessions this node passes on stay passed on."""
+        self.router = Router(config, self.router.shedding)
         self._update()
 
     async def _follow(self) -> None:

@@ -92,6 +92,12 @@ def _model_load(m: ModelFigures) -> ModelLoad:
     )
 
 
+def _banded(m: ModelLoad, start: float, width: float) -> ModelLoad:
+    if (start, width) == (m.shed_start, m.shed_width):
+        return m
+    return replace(m, shed_start=min(max(start, 0.0), 1.0), shed_width=min(max(width, 0.0), 1.0))
+
+
 class SnapshotBuilder:
     """Builds the next snapshot each tick and decides whether it is a new version.
 
@@ -131,11 +137,13 @@ class SnapshotBuilder:
         models: Sequence[ModelFigures],
         draining: bool = False,
         listed: Mapping[int, Collection[int]] | None = None,
+        bands: Callable[[int], tuple[float, float]] | None = None,
     ) -> tuple[LoadSnapshot, bool, bool]:
         """(snapshot to publish, whether its version is new, whether peers need it now).
         listed: port -> the model_ids its server lists (daemon/model_list.py); those
         without traffic yet get an entry with none, so that peers know this node serves
-        them."""
+        them. bands: model_id -> this node's band of passed-on sessions, (start, width)
+        (daemon/routing/shed.py)."""
         loads = [_model_load(m) for m in models]
         seen = {m.key for m in loads}
         for port, ids in (listed or {}).items():
@@ -145,6 +153,8 @@ class SnapshotBuilder:
         if len(loads) > MAX_MODELS:
             # The wire carries at most MAX_MODELS: keep the ones carrying the most traffic.
             loads = sorted(loads, key=lambda m: (m.in_flight, m.rps), reverse=True)[:MAX_MODELS]
+        if bands is not None:
+            loads = [_banded(m, *bands(m.model_id)) for m in loads]
         gpus = sorted(gpus, key=lambda g: g.index)[:MAX_GPUS]
         queue = self._queue.update(models)
         instant = instant_score(components(host, gpus, loads, self.score_config, queue),

@@ -89,6 +89,7 @@ class SnapshotComponent:
         self._host_name = ""
         self._lister: ModelLister | None = None
         self._listing: asyncio.Task[None] | None = None
+        self._bands: Callable[[int], tuple[float, float]] | None = None
         router.add("GET", "/v1/snapshot", self._get_snapshot)
         router.add("POST", "/v1/drain", lambda _: self._set_draining(True))
         router.add("POST", "/v1/undrain", lambda _: self._set_draining(False))
@@ -96,6 +97,11 @@ class SnapshotComponent:
     def subscribe(self, publish: Publish) -> None:
         """Call `publish(snapshot, urgent)` each time the snapshot gets a new version."""
         self._subscribers.append(publish)
+
+    def publish_bands(self, bands: Callable[[int], tuple[float, float]]) -> None:
+        """Put `bands(model_id)`, this node's band of passed-on sessions for the model
+        (daemon/routing/shed.py), in each snapshot."""
+        self._bands = bands
 
     @property
     def current(self) -> LoadSnapshot | None:
@@ -186,7 +192,7 @@ class SnapshotComponent:
         gpus = await self.gpu.sample()
         snap, changed, urgent = self._builder.build(
             self._host.sample(), gpus, self.probes.model_figures(), self.draining,
-            self._lister.listed() if self._lister is not None else None)
+            self._lister.listed() if self._lister is not None else None, self._bands)
         if changed:
             for publish in self._subscribers:
                 publish(snap, urgent)
@@ -205,12 +211,16 @@ class SnapshotComponent:
         self._wake.set()  # peers must hear of it now, not at the next tick
         return Response.json({"draining": draining})
 
-    def _get_snapshot(self, _: Request) -> Response:
-        snap = self.current
-        if snap is None:
-            return Response.error(HTTPStatus.SERVICE_UNAVAILABLE, "no snapshot yet")
+    def model_names(self) -> dict[int, str]:
+        """model_id -> name, for the models the probes have seen or the servers list."""
         names = self.probes.model_names()
         if self._lister is not None:
             for listed in self._lister.listed().values():
                 names.update(listed)
-        return Response.json(snapshot_json(snap, self.gpu.devices, names))
+        return names
+
+    def _get_snapshot(self, _: Request) -> Response:
+        snap = self.current
+        if snap is None:
+            return Response.error(HTTPStatus.SERVICE_UNAVAILABLE, "no snapshot yet")
+        return Response.json(snapshot_json(snap, self.gpu.devices, self.model_names()))

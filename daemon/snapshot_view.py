@@ -60,6 +60,8 @@ def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],
                 "ttft_p99_ms": m.ttft_p99_ms,
                 "itl_p99_ms": m.itl_p99_ms,
                 "tokens_per_s": m.tokens_per_s,
+                "pace_ms": m.pace_ms,
+                "sessions_passed_on": {"start": m.shed_start, "width": m.shed_width},
             }
             for m in snap.models
         ],

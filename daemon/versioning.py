@@ -206,10 +206,11 @@ class ChangeDetector:
     """Decides whether a freshly built snapshot deserves a new version.
 
     Urgent (relay at once): the first snapshot, a state change, a model or GPU appearing
-    or disappearing, a GPU turning unhealthy or healthy again, new endpoints. Material
-    only: a figure outside its deadband, PSI appearing or vanishing, the heartbeat.
-    Figures are compared with the last *published* snapshot, not the previous tick, so a
-    slow drift still moves the version once it adds up to a band.
+    or disappearing, a GPU turning unhealthy or healthy again, new endpoints, a band of
+    passed-on sessions moving. Material only: a figure outside its deadband, PSI appearing
+    or vanishing, the heartbeat. Figures are compared with the last *published* snapshot,
+    not the previous tick, so a slow drift still moves the version once it adds up to a
+    band.
     """
 
     def __init__(self, deadbands: Deadbands = Deadbands(), heartbeat_ms: int = 5000) -> None:
@@ -250,4 +251,8 @@ class ChangeDetector:
             return "models added or removed"
         if {g.index: g.healthy for g in old.gpus} != {g.index: g.healthy for g in new.gpus}:
             return "GPU set or GPU health changed"
+        # Hosts agree on a session's peer only once they all hold the same bands.
+        if {m.key: (m.shed_start, m.shed_width) for m in old.models} \
+                != {m.key: (m.shed_start, m.shed_width) for m in new.models}:
+            return "a model's band of passed-on sessions moved"
         return ""

@@ -251,7 +251,9 @@ class ModelLoad(_Record):
     read no further). waiting: requests with no first token yet (a non-streamed one: no
     answer yet); running: streams under way; ttft and itl from streamed answers only;
     pace_ms: the median gap between a stream's tokens over the last second (the decode pace
-    now, where the window's itl_p99 holds the tail).
+    now, where the window's itl_p99 holds the tail). shed_start, shed_width: the band of
+    session coins this node passes on to the next peer of their ring
+    (daemon/routing/shed.py), [start, start + width) around [0, 1).
     """
 
     model_id: int
@@ -267,6 +269,8 @@ class ModelLoad(_Record):
     itl_p99_ms: float = 0.0
     tokens_per_s: float = 0.0
     pace_ms: float = 0.0
+    shed_start: float = 0.0
+    shed_width: float = 0.0
 
     _FIELDS = (
         _Field("model_id", "int", hi=2**64 - 1),
@@ -282,6 +286,8 @@ class ModelLoad(_Record):
         _Field("itl_p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
         _Field("tokens_per_s", "fixed", hi=MAX_TOKENS_PER_S, scale=10, missing=0.0),
         _Field("pace_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
+        _Field("shed_start", "fixed", hi=1, scale=10_000, missing=0.0),
+        _Field("shed_width", "fixed", hi=1, scale=10_000, missing=0.0),
     )
 
     @property

@@ -29,8 +29,12 @@ capacity share after. With --sessions N, last, a loadmesh run at 80% whose reque
 to N sessions of Zipf popularity, h3 killed (server and agent, SIGKILL) at half time: the
 share of each session's requests on its most common host, how often two requests of one
 session entering at different hosts within a second went to the same host, each host's
-share of the requests in flight (time-averaged) over its capacity share, and after the kill,
-how much of the other hosts' sessions moved and when h3 was last named.
+share of the requests in flight (time-averaged) over its share of the fleet's batch slots
+(equal when every host is equally busy: a slot is one stream, so a host at half the speed
+holds each request twice as long and, equally busy, takes half as many), and after the kill,
+how much of the other hosts' sessions moved and when h3 was last named. Run without
+--loads, the sessions run follows --warmup seconds of loadmesh without sessions, so that
+the agents have learnt each host's batch and pace as they have in the full bench.
 
 Needs root. `make bench-fleet` runs it; the first run installs sglang-router into
 /var/tmp/loadmesh-sglang. Everything is stopped and the namespaces removed on every exit.
@@ -55,8 +59,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from fleet import (BIN_S, STREAMED, Host, answers, arrivals, capacity_rps, fleet,  # noqa: E402
-                   get_json, host_bins, started, worst_bin)
+from daemon.client import AgentUnavailable, ApiError, Client  # noqa: E402
+from fleet import (BIN_S, STREAMED, Host, affinity, answers, arrivals, capacity_rps,  # noqa: E402
+                   fleet, get_json, host_bins, started, worst_bin)
 from llm_clients import nearest_rank  # noqa: E402
 from metrics_helpers import wait_for  # noqa: E402
 
@@ -65,6 +70,7 @@ SGLANG_VENV = Path("/var/tmp/loadmesh-sglang")
 SGLANG_VERSION = "0.3.2"
 HOSTS = (Host("h1", 8, 20), Host("h2", 8, 20), Host("h3", 8, 20), Host("h4", 8, 40),
          Host("h5", 4, 20))
+HOST_NAMES = [h.name for h in HOSTS]
 
 
 def ensure_sglang() -> Path | None:
@@ -127,26 +133,12 @@ def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str) -> 
     most common host; pairs of one session's requests entering at different hosts within
     a second of each other that went to the same host), and after it: the sessions of the
     other hosts sent elsewhere from kill_at + 4 s, and the killed host's last answer."""
-    before = [r for r in rows if r["host"] and r["t"] < kill_at]
-    hosts: dict[str, Counter[str]] = {}
-    for r in before:
-        hosts.setdefault(r["session"], Counter())[r["host"]] += 1
-    home = {s: c.most_common(1)[0][0] for s, c in hosts.items()}
-    sticky = sum(c.most_common(1)[0][1] for c in hosts.values()) / max(1, len(before))
-    pairs = same = 0
-    by_session: dict[str, list[dict[str, Any]]] = {}
-    for r in before:
-        by_session.setdefault(r["session"], []).append(r)
-    for reqs in by_session.values():
-        for a, b in zip(reqs, reqs[1:]):
-            if a["entry"] != b["entry"] and b["t"] - a["t"] <= 1.0:
-                pairs += 1
-                same += a["host"] == b["host"]
+    home, sticky, agree, pairs = affinity(rows, 0.0, kill_at)
     after = [r for r in rows if r["host"] and r["t"] >= kill_at + 4 and home.get(r["session"])
              not in (None, killed)]
     moved = sum(r["host"] != home[r["session"]] for r in after)
     named = [r["t"] - kill_at for r in rows if r["host"] == killed and r["t"] >= kill_at]
-    return {"sticky": sticky, "agree": same / pairs if pairs else None, "pairs": pairs,
+    return {"sticky": sticky, "agree": agree, "pairs": pairs,
             "moved_after": moved / max(1, len(after)), "after": len(after),
             "killed_last_s": max(named, default=0.0),
             "reasons": Counter(r["reason"] for r in rows if r["reason"]).most_common(4)}
@@ -175,8 +167,60 @@ class InFlight:
         """Each host's share of the fleet's requests in flight, averaged over time."""
         self._stop.set()
         self._thread.join()
-        sums = [sum(col) for col in zip(*self.samples)] or [0] * len(self.urls)
+        return self._shares(self.samples)
+
+    def _shares(self, samples: list[list[int]]) -> list[float]:
+        sums = [sum(col) for col in zip(*samples)] or [0] * len(self.urls)
         return [s / max(1, sum(sums)) for s in sums]
+
+    def timeline(self, weights: list[float], every_s: float = 5.0) -> str:
+        """Each host's share over its weight, per every_s seconds (samples are 0.25 s apart)."""
+        n = round(every_s / 0.25)
+        chunks = [self._shares(self.samples[i:i + n]) for i in range(0, len(self.samples), n)]
+        return "\n".join(f"    {name}: " + " ".join(f"{c[i] / weights[i]:.2f}" for c in chunks)
+                         for i, name in enumerate(HOST_NAMES))
+
+
+class Bands:
+    """Each agent's published share of its sessions passed on, polled every second from
+    a thread until stopped: what moved the sessions, and when."""
+
+    def __init__(self, sockets: list[str]) -> None:
+        self.sockets = sockets
+        self.samples: list[tuple[float, list[float | None]]] = []
+        self._stop = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _width(self, sock: str) -> float | None:
+        try:
+            with Client(sock, timeout=1.0) as c:
+                models = c.get("/v1/snapshot")["models"]
+        except (AgentUnavailable, ApiError, KeyError):
+            return None
+        return max((m["sessions_passed_on"]["width"] for m in models), default=0.0)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(1.0):
+            self.samples.append((time.monotonic() - self._start,
+                                 [self._width(s) for s in self.sockets]))
+
+    def stop(self, start: float, every_s: float = 5.0) -> str:
+        """The widths every every_s seconds of the run that began at monotonic `start`."""
+        self._stop.set()
+        self._thread.join()
+        offset = start - self._start
+        lines = []
+        for i, name in enumerate(HOST_NAMES):
+            marks, due = [], 0.0
+            for t, widths in self.samples:
+                if t - offset >= due:
+                    w = widths[i]
+                    marks.append("-" if w is None else f"{w:.2f}")
+                    due += every_s
+            lines.append(f"    {name}: {' '.join(marks)}")
+        return "\n".join(lines)
 
 
 def row_text(s: dict[str, Any]) -> str:
@@ -209,6 +253,8 @@ def main() -> int:
     ap.add_argument("--slowdown", action="store_true", help="also the slowdown event at 80%%")
     ap.add_argument("--sessions", type=int, default=0, metavar="N",
                     help="last, loadmesh with N sessions at 80%% load, h3 killed at half time")
+    ap.add_argument("--warmup", type=float, default=20, metavar="S",
+                    help="with --sessions and no --loads, S seconds of loadmesh at 80%% first")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", metavar="FILE", help="also write every result as JSON")
     args = ap.parse_args()
@@ -221,7 +267,7 @@ def main() -> int:
     sglang = ensure_sglang() if "sglang" in policies else None
     if sglang is None and "sglang" in policies:
         policies.remove("sglang")
-    loads = [float(x) for x in args.loads.split(",")]
+    loads = [float(x) for x in args.loads.split(",") if x]
     out: dict[str, Any] = {"hosts": [h.__dict__ for h in HOSTS], "runs": []}
     with tempfile.TemporaryDirectory(prefix="lm-fleet-") as tmp, \
             fleet(HOSTS, Path(tmp)) as f, contextlib.ExitStack() as stack:
@@ -278,28 +324,40 @@ def main() -> int:
                       f"after it: h1 share "
                       f"{s['share']['h1']:.0%}, ttft p99 {fmt_s(s['ttft_p99'])} s", flush=True)
         if args.sessions and "loadmesh" in policies:
+            if not loads and args.warmup > 0:
+                # Agents as they are after the runs above (or after a while in service):
+                # each host's batch and pace learnt. Cold, the small host holds the two
+                # busiest sessions (a quarter of the requests) until it shows it queues.
+                print(f"\nwarm-up: {args.warmup:g} s of loadmesh at 80%, no sessions", flush=True)
+                run("loadmesh", arrivals(0.8 * capacity, args.warmup, args.seed + 3, len(HOSTS)),
+                    None)
             plan = arrivals(0.8 * capacity, args.seconds, args.seed + 2, len(HOSTS), args.sessions)
             kill_at, killed = args.seconds / 2, 2
             f.reset()
-            flight = InFlight(f.urls)
+            flight, bands = InFlight(f.urls), Bands(f.sockets)
             load, start = f.start_load({"policy": "loadmesh", "arrivals": plan, "seed": args.seed})
             time.sleep(max(0.0, start + kill_at - time.monotonic()))
             occupancy = flight.stop()
             f.kill(killed)
             rows = f.result(load, args.seconds + 600)
+            widths = bands.stop(start)
             fig = session_figures(rows, kill_at, HOSTS[killed].name)
-            over = {h.name: occ / (h.tokens_per_s / total) for h, occ in zip(HOSTS, occupancy)}
+            slots = sum(h.slots for h in HOSTS)
+            over = {h.name: occ / (h.slots / slots) for h, occ in zip(HOSTS, occupancy)}
             out["runs"].append({"sessions": args.sessions, "kill_at": kill_at, "rows": rows,
                                 "figures": fig, "occupancy": over})
             print(f"\nsessions: {args.sessions} (Zipf), 80% load, loadmesh; {HOSTS[killed].name} "
                   f"killed at t={kill_at:g} s\n"
                   f"  requests on their session's host {fig['sticky']:.1%}; two entries within "
                   f"1 s agree {fmt_pct(fig['agree'])} ({fig['pairs']} pairs)\n"
-                  f"  share of the requests in flight / capacity share, before the kill: "
+                  f"  share of the requests in flight / share of the slots, before the kill: "
                   + " ".join(f"{k} {v:.2f}" for k, v in over.items())
                   + f"\n  after the kill: other hosts' sessions moved {fig['moved_after']:.1%} "
                   f"of {fig['after']} requests; {HOSTS[killed].name} last named "
-                  f"{fig['killed_last_s']:.1f} s after; {dict(fig['reasons'])}", flush=True)
+                  f"{fig['killed_last_s']:.1f} s after; {dict(fig['reasons'])}\n"
+                  f"  share of its sessions each host passed on, every 5 s:\n{widths}\n"
+                  f"  share of the requests in flight / share of the slots, every 5 s:\n"
+                  f"{flight.timeline([h.slots / slots for h in HOSTS])}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out))
     return 0

@@ -129,6 +129,29 @@ def worst_bin(rows: list[dict[str, Any]], start_s: float = 0.0, end_s: float = f
                 if sum(c.values()) >= least), default=0.0)
 
 
+def affinity(rows: list[dict[str, Any]], start_s: float,
+             end_s: float) -> tuple[dict[str, str], float, float | None, int]:
+    """Of the session requests served in [start_s, end_s): each session's most common
+    host; the share of the requests on it (request-weighted); and of the pairs of one
+    session's consecutive requests entering at different hosts within a second, the share
+    that went to the same host, and how many pairs there were."""
+    served = [r for r in rows if r["host"] and r["session"] and start_s <= r["t"] < end_s]
+    hosts: dict[str, Counter[str]] = {}
+    by_session: dict[str, list[dict[str, Any]]] = {}
+    for r in served:
+        hosts.setdefault(r["session"], Counter())[r["host"]] += 1
+        by_session.setdefault(r["session"], []).append(r)
+    home = {s: c.most_common(1)[0][0] for s, c in hosts.items()}
+    sticky = sum(c.most_common(1)[0][1] for c in hosts.values()) / max(1, len(served))
+    pairs = same = 0
+    for reqs in by_session.values():
+        for a, b in zip(reqs, reqs[1:]):
+            if a["entry"] != b["entry"] and b["t"] - a["t"] <= 1.0:
+                pairs += 1
+                same += a["host"] == b["host"]
+    return home, sticky, same / pairs if pairs else None, pairs
+
+
 def share(rows: list[dict[str, Any]], host: str, start_s: float, end_s: float) -> float:
     sent = [r for r in rows if r["host"] and start_s <= r["t"] < end_s]
     return sum(r["host"] == host for r in sent) / max(1, len(sent))

@@ -26,7 +26,7 @@ from daemon.client import ApiError, Client
 from daemon.collectors.gpu import GpuInfo
 from daemon.health import Health, State
 from daemon.metrics import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, AgentCollector
-from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot
+from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad
 from gossip.snapshot import State as NodeState
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 from probes import abi, buckets
@@ -117,7 +117,8 @@ def _agent_view() -> SimpleNamespace:
                       cpu_pressure_pct=12.5),
         gpus=(GpuLoad(0, 97, 2048, 81920, 70, 300, 700, 0, 2, True),
               GpuLoad(1, 0, 0, 0, 0, 0, 0, 0, 0, False)),
-        models=())
+        models=(ModelLoad(model_id("llama"), 8000, 5.0, 0.0, 20.0, 40.0, 3,
+                          shed_start=0.5, shed_width=0.25),))
     report = {"models": [{"model": "llama", "endpoint": "chat", "status": {"200": 7, "503": 2},
                           "outcomes": {"complete": 8, "aborted": 1}, "output_tokens": 640,
                           "prompt_tokens": 90, "waiting": 2, "running": 1, "inflight": 3}],
@@ -139,7 +140,7 @@ def _agent_view() -> SimpleNamespace:
         node_id="n1", version="0.1.0", components=[component],
         probes=SimpleNamespace(summary=lambda: report, latency_counts=latency_counts),
         gpu=SimpleNamespace(devices=(GpuInfo(0, "GPU-aaa", "H100"), GpuInfo(1, "GPU-bbb", "H100"))),
-        snapshot=SimpleNamespace(current=snap),
+        snapshot=SimpleNamespace(current=snap, model_names=lambda: {model_id("llama"): "llama"}),
         gossip=SimpleNamespace(service=SimpleNamespace(peers=lambda: peers,
                                                        counters=lambda: counters)),
         routing=SimpleNamespace(decisions={("routed", "session"): 5, ("no_peer", "unknown_model"): 1},
@@ -208,6 +209,7 @@ def test_every_family_reads_the_agents_state_in_base_units() -> None:
     assert value(s, "loadmesh_route_decisions_total", outcome="no_peer",
                  reason="unknown_model") == 1
     assert value(s, "loadmesh_route_feedback_total", outcome="ok") == 4
+    assert value(s, "loadmesh_sessions_passed_on", model="llama") == 0.25
     assert value(s, "loadmesh_config_last_reload_successful") == 0
 
 

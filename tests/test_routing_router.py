@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from daemon.routing import Decision, NoCandidate, PeerInput, Router, RoutingConfig
 from daemon.routing.p2c import OwnShare
+from daemon.routing.shed import GUESTS, passes_on
 from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
 from probes.model_id import model_id
 
@@ -22,14 +23,16 @@ NOW = 1_000_000
 def snapshot(node: str, *, score: float = 0.3, state: State = State.OK, in_flight: int = 0,
              p50_ms: float = 100.0, gpus: int = 1, models: tuple[str, ...] = (MODEL,),
              error_ratio: float = 0.0, rps: float = 10.0, port: int = 8000,
-             endpoints: tuple[Endpoint, ...] | None = None, version: int = 1) -> LoadSnapshot:
+             endpoints: tuple[Endpoint, ...] | None = None, version: int = 1,
+             band: tuple[float, float] = (0.0, 0.0)) -> LoadSnapshot:
     return LoadSnapshot(
         node_id=node,
         endpoints=endpoints if endpoints is not None else (Endpoint(f"{node}.lan", 9000),),
         version=version, timestamp_ms=NOW, state=state, score=score,
         host=HostLoad(0.1, 1000, 4000, 0.5, None),
         gpus=tuple(GpuLoad(i, 50, 1, 2, 50, 100, 300, 0, 1, True) for i in range(gpus)),
-        models=tuple(ModelLoad(model_id(m), port, rps, error_ratio, p50_ms, 2 * p50_ms, in_flight)
+        models=tuple(ModelLoad(model_id(m), port, rps, error_ratio, p50_ms, 2 * p50_ms, in_flight,
+                               shed_start=band[0], shed_width=band[1])
                      for m in models),
     )
 
@@ -348,22 +351,104 @@ def test_only_the_sessions_of_a_gone_peer_move_and_none_of_an_overloaded_one() -
     assert isinstance(d, Decision) and d.reason == "session moved along the ring"
 
 
-def test_a_slower_peer_holds_fewer_sessions() -> None:
-    """The bound weighs each peer by what it serves per second: at equal loads a peer at
-    half the pace is over its share first."""
-    rows = [row(p, in_flight=5, p50_ms=400 if p == "s0" else 100) for p in SESSION_PEERS]
-    owners = session_owners(router(rows), [f"user-{i}" for i in range(400)])
-    assert "s0" not in owners.values()
+def test_a_slower_peer_holds_fewer_sessions_and_jitter_moves_none() -> None:
+    # "slow" decodes at half the speed of the others: it serves half as much, so it holds
+    # about half as many sessions. Its pace jittering within a step moves no session.
+    sessions = [f"user-{i}" for i in range(2000)]
+    peers = ["a", "b", "slow"]
+
+    def ring_owners(paces: dict[str, float], versions: int) -> dict[str, str]:
+        r = router([figures(p, pace_ms=paces[p]) for p in peers])
+        for v in range(2, versions + 2):
+            r.update([figures(p, pace_ms=paces[p], version=v) for p in peers], NOW)
+        return session_owners(r, sessions)
+
+    even = Counter(ring_owners({"a": 20, "b": 20, "slow": 20}, 1).values())
+    owners = ring_owners({"a": 20, "b": 20, "slow": 40}, 1)
+    held = Counter(owners.values())
+    assert 0.35 < held["slow"] / held["a"] < 0.7, held
+    assert 0.8 < even["slow"] / even["a"] < 1.25, even
+    assert ring_owners({"a": 22, "b": 19, "slow": 37}, 5) == owners
 
 
-def test_session_leaves_a_peer_over_its_bounded_load() -> None:
-    # s0 holds 200 requests, the other seven 5 each: far above (1 + eps) x average.
-    rows = [row(p, in_flight=200 if p == "s0" else 5) for p in SESSION_PEERS]
+def test_a_peer_passes_on_the_sessions_in_its_band_and_every_host_agrees() -> None:
     sessions = [f"user-{i}" for i in range(400)]
+    rows = [row(p, in_flight=5) for p in SESSION_PEERS]
+    home = session_owners(router(rows), sessions)
+    banded = [replace(x, snapshot=snapshot("s0", in_flight=5, band=(0.8, 0.5)))
+              if x.node_id == "s0" else x for x in rows]
+    owners = session_owners(router(banded), sessions)
+    mine = [s for s in sessions if home[s] == "s0"]
+    gone = {s for s in mine if passes_on(0.8, 0.5, "s0", s, True)}
+    assert 0 < len(gone) < len(mine)
+    # Only s0's sessions in its band move, each to the next peer of its ring.
+    assert {s for s in sessions if owners[s] != home[s]} == gone
+    without = session_owners(router([x for x in rows if x.node_id != "s0"]), sessions)
+    assert all(owners[s] == without[s] for s in gone)
+    # The choice rests on what the snapshots publish: a host that is itself one of the
+    # peers, or that sent them its own traffic, makes the same one.
+    as_s3 = router([replace(x, is_self=x.node_id == "s3") for x in banded])
+    for _ in range(50):
+        as_s3.best(MODEL, None, (), NOW)
+    assert session_owners(as_s3, sessions) == owners
+
+
+def test_a_session_every_peer_passes_on_spills_where_there_is_room_and_hosts_agree() -> None:
+    # Every peer passes on every session; s5 runs 1 request on its 8 slots, the others
+    # are full: the sessions spill mostly onto s5, and every host names the same peer.
+    sessions = [f"user-{i}" for i in range(400)]
+    rows = [figures(p, in_flight=1 if p == "s5" else 8, running=1 if p == "s5" else 8,
+                    shed_width=1.0) for p in SESSION_PEERS]
     owners = session_owners(router(rows), sessions)
-    assert "s0" not in owners.values()
-    balanced = session_owners(router([row(p, in_flight=5) for p in SESSION_PEERS]), sessions)
-    assert {s for s in sessions if owners[s] != balanced[s]} == {s for s in sessions if balanced[s] == "s0"}
+    d = router(rows).best(MODEL, "user-1", (), NOW)
+    assert isinstance(d, Decision) and d.reason == "session passed on by every peer"
+    held = Counter(owners.values())
+    assert held["s5"] > 0.4 * len(sessions) and len(held) == len(SESSION_PEERS), held
+    as_s3 = router([replace(x, is_self=x.node_id == "s3") for x in rows])
+    for _ in range(50):
+        as_s3.best(MODEL, None, (), NOW)
+    assert session_owners(as_s3, sessions) == owners
+
+
+def test_a_dead_peers_sessions_go_to_the_next_one_and_the_answer_says_so() -> None:
+    home = session_owners(router([row(p, in_flight=5) for p in SESSION_PEERS]), ["user-1"])
+    dead = [replace(x, alive=x.node_id != home["user-1"]) for x in
+            (row(p, in_flight=5) for p in SESSION_PEERS)]
+    d = router(dead).best(MODEL, "user-1", (), NOW)
+    assert isinstance(d, Decision) and d.node_id != home["user-1"]
+    assert d.reason == "session moved along the ring"
+
+
+def test_a_peer_passes_on_its_guests_before_its_own_sessions() -> None:
+    # s3 dead: its sessions are guests on the peers after it. Peers passing on the band
+    # of the guests' coins keep every session of their own.
+    sessions = [f"user-{i}" for i in range(400)]
+    rows = [row(p, in_flight=5) for p in SESSION_PEERS]
+    home = session_owners(router(rows), sessions)
+    lost = [replace(x, alive=False) if x.node_id == "s3" else
+            replace(x, snapshot=snapshot(x.node_id, in_flight=5, band=(0.0, GUESTS))) for x in rows]
+    owners = session_owners(router(lost), sessions)
+    assert all(owners[s] == home[s] for s in sessions if home[s] != "s3")
+    orphans = [s for s in sessions if home[s] == "s3"]
+    assert orphans and all(owners[s] != "s3" for s in orphans)
+
+
+def test_this_node_passes_sessions_on_while_it_carries_more_than_its_share() -> None:
+    # s0 (this node) holds 40 in flight, the other seven 5 each, all with 8 slots.
+    rows = [figures(p, in_flight=40 if p == "s0" else 5, running=8 if p == "s0" else 5)
+            for p in SESSION_PEERS]
+    rows = [replace(x, is_self=x.node_id == "s0") for x in rows]
+    r = router(rows)
+    for t in range(1, 61):  # 6 s of updates: steps of the band, past its guests
+        r.update(rows, NOW + 100 * t)
+    start, width = r.band(model_id(MODEL))
+    assert GUESTS + 0.1 < width < 1
+    # Its peers know only once its snapshot says so.
+    banded = [replace(x, snapshot=snapshot("s0", in_flight=40, band=(start, width)))
+              if x.node_id == "s0" else x for x in rows]
+    sessions = [f"user-{i}" for i in range(400)]
+    assert sum(o == "s0" for o in session_owners(router(banded), sessions).values()) \
+        < sum(o == "s0" for o in session_owners(router(rows), sessions).values())
 
 
 # --- slow start ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ freshness, the request's exclusions) is checked per request.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -24,23 +25,32 @@ from probes.model_id import model_id
 
 # Per snapshot, the share of a rise of the P50 that the service time estimate takes.
 _SERVICE_RISE = 0.05
-# Bounds the cost of a peer failing everything to four times its price. Its failures stay
-# in its window (10 s) after it has recovered: priced out for good, it would be found
-# again only when the window turns; at four times, it is tried as soon as the others
-# hold a few requests each, and the circuit breaker stops what it still fails.
+# Bounds the cost of a peer failing everything to four times its price. Its failures count
+# for 3 s after it has recovered (probes' FAILED_S): priced out for good, it would get no
+# traffic to show it; at four times, it is tried as soon as the others hold a few
+# requests each, and the circuit breaker stops what it still fails.
 _MIN_SUCCESS = 0.25
 # A time to first token this many times the peer's lowest, with requests waiting: queued.
 _QUEUED = 4.0
 # How long a peer's last decode pace stands for it while it streams nothing: the probes'
 # window.
 _PACE_MEMORY_MS = 10_000
+# Per version, the share of a new pace that the steady pace takes.
+_STEADY = 0.2
+# The sessions' ring weighs a peer by what it serves, capacity over steady pace, in steps
+# of sqrt(2) below the model's largest peer (a weight moves a session only when it changes
+# a step), and at least 1/8 of it.
+_RING_STEPS_PER_DOUBLING = 2
+_RING_LEAST = 1 / 8
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     choices: int = 2                   # d of the d choices
     alternatives: int = 2              # retry targets returned with each answer
-    epsilon: float = 0.25              # bounded-load slack: a peer takes <= (1+eps) x its share
+    # Sessions' slack: this node passes sessions on while its load per slot is above
+    # (1 + epsilon) x its model's fleet's (shed.py).
+    epsilon: float = 0.15
     vnodes: int = 160                  # ring points per peer
     slow_start_s: float = 30.0         # ramp of a joined or recovered peer's weight
     slow_start_floor: float = 0.1      # the ramp's starting fraction
@@ -115,7 +125,7 @@ class PeerState:
     snapshots, its circuit, what it has shown it can run at once, and this node's own
     traffic to it since that snapshot."""
 
-    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "slots",
+    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "steady", "slots",
                  "queued", "ttft_floor_ms", "snapshot", "taken_ms", "since_ms", "alive", "is_self",
                  "in_flight", "overloaded")
 
@@ -130,6 +140,11 @@ class PeerState:
         self.service_ms: dict[int, float] = {}
         # Per model_id: the last decode pace its snapshots showed, and when (now_ms).
         self.paces: dict[int, tuple[float, int]] = {}
+        # Per model_id: log2 of its decode pace, averaged over its versions (_STEADY per
+        # version): the sessions' ring weighs peers by it, and must not change with every
+        # second's jitter. Per version, not per second, so that every host holding the
+        # same versions computes the same figure.
+        self.steady: dict[int, float] = {}
         # The most streams seen running at once; whether the peer has been seen queueing
         # (then slots is its batch); the lowest time to first token it has shown.
         self.slots = 0
@@ -182,6 +197,10 @@ class PeerState:
         for m in snap.models:
             if m.pace_ms > 0:
                 self.paces[m.model_id] = (m.pace_ms, now_ms)
+                old_log = self.steady.get(m.model_id)
+                new_log = math.log2(m.pace_ms)
+                self.steady[m.model_id] = (new_log if old_log is None
+                                           else old_log + _STEADY * (new_log - old_log))
             if m.rps > 0 and m.p50_ms > 0 and m.error_ratio <= config.error_ratio_threshold:
                 old = self.service_ms.get(m.model_id)
                 self.service_ms[m.model_id] = (
@@ -225,11 +244,12 @@ def _capacity(peer: PeerState, reference: int) -> float:
 class Candidate:
     """A peer as a candidate for one model."""
 
-    __slots__ = ("peer", "endpoint", "service_ms", "paces", "capacity", "weight", "success")
+    __slots__ = ("peer", "endpoint", "service_ms", "paces", "capacity", "weight", "success",
+                 "band")
 
     def __init__(self, peer: PeerState, endpoint: str, service_ms: float,
                  paces: tuple[float, float], capacity: float, weight: float,
-                 success: float) -> None:
+                 success: float, band: tuple[float, float]) -> None:
         self.peer = peer
         self.endpoint = endpoint
         # The peer's pace on this model, to weigh a queued request on a slow peer above one
@@ -246,6 +266,8 @@ class Candidate:
         # The share of its answers to the model that succeed: a request sent to a peer
         # rejecting half of them costs two sends.
         self.success = success
+        # The coins of the sessions it passes on, (start, width), as its snapshot says.
+        self.band = band
 
 
 @dataclass
@@ -258,6 +280,8 @@ class ModelCandidates:
     by_node: dict[str, Candidate]
     # Every peer known to serve the model, candidate or not: to say why none is usable.
     known: list[PeerState]
+    # The sessions' ring: its points per known peer (ring_points()).
+    ring: dict[str, int]
 
 
 def _host_port(host: str, port: int) -> str:
@@ -275,8 +299,10 @@ def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfi
     service = 0.0
     paces = (0.0, 0.0)
     failing = 0.0
+    band = (0.0, 0.0)
     if loads:
         entry = _serving_entry(loads)
+        band = (entry.shed_start, entry.shed_width)
         hosts = [e.host for e in snap.endpoints if e.port == entry.port]
         endpoint = _host_port(hosts[0] if hosts else snap.endpoints[0].host, entry.port)
         # A second without a stream says nothing of the pace: the one shown last holds
@@ -299,7 +325,7 @@ def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfi
         health = 1.0
     capacity = _capacity(peer, reference)
     return Candidate(peer, endpoint, service, paces, capacity, capacity * health,
-                     max(_MIN_SUCCESS, 1.0 - failing))
+                     max(_MIN_SUCCESS, 1.0 - failing), band)
 
 
 def build(peers: Sequence[PeerState], config: RoutingConfig,
@@ -342,7 +368,28 @@ def build(peers: Sequence[PeerState], config: RoutingConfig,
             table=WeightedTable(cands, [c.weight for c in cands]),
             by_node={c.peer.node_id: c for c in cands},
             known=peers_known,
+            ring=ring_points(mid, peers_known, reference, config.vnodes),
         )
+    return out
+
+
+def ring_points(model_id: int, peers: Sequence[PeerState], reference: int,
+                vnodes: int) -> dict[str, int]:
+    """Each peer's points on the model's sessions' ring: vnodes times what it serves (its
+    capacity over its steady pace) over what the largest serves, in steps (_RING_*). So a
+    peer holds sessions in proportion to its token rate: a peer at half the speed, or with
+    half the batch, holds half as many, and at equal load per slot all queue alike. Dead
+    and draining peers keep theirs, so that their sessions stay guests where they went
+    (shed.py). Only what the snapshots say enters, so every host builds the same ring."""
+    paces = {p.node_id: p.steady[model_id] for p in peers if model_id in p.steady}
+    typical = statistics.median(paces.values()) if paces else 0.0
+    rates = {p.node_id: _capacity(p, reference) / 2 ** paces.get(p.node_id, typical)
+             for p in peers}
+    top = max(rates.values(), default=0.0)
+    out = {}
+    for node_id, rate in rates.items():
+        steps = round(_RING_STEPS_PER_DOUBLING * math.log2(max(rate / top, _RING_LEAST)))
+        out[node_id] = max(1, round(vnodes * 2 ** (steps / _RING_STEPS_PER_DOUBLING)))
     return out
 
 

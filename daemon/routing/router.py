@@ -11,9 +11,12 @@ The choice (docs/routing.md has the reasoning and the measurements):
    per request, not excluded and circuit not open.
 2. Peers with a fresh snapshot; failing those, peers with a stale one. Overload is no
    filter: a filter that leaves one peer takes everything from every host at once.
-3. With a session: the session's peer on the consistent-hash ring, walking clockwise past
-   peers that are unusable or over their bounded load.
-4. Otherwise (or when no ring peer can take it): d peers drawn with probability
+3. With a session: the session's peer on the consistent-hash ring, weighted by what each
+   peer serves (candidates.ring_points), walking clockwise past peers that are unusable
+   or that pass the session on: each host publishes which of its sessions it passes on
+   while it carries more than its share (shed.py), so that every host makes the same
+   walk; where every usable peer passes it on, spill().
+4. Otherwise (or when no ring peer is usable): d peers drawn with probability
    proportional to their effective capacity (what the peer has shown it runs at once,
    times degraded_weight or overloaded_weight, times the slow-start ramp), and the one
    with the lowest cost wins:
@@ -48,7 +51,8 @@ from daemon.routing.candidates import (
     static_model_ids,
 )
 from daemon.routing.p2c import OwnShare, draw_exact, order
-from daemon.routing.ring import HashRing, within_bound
+from daemon.routing.ring import HashRing, hash64
+from daemon.routing.shed import Shedding, passes_on
 from gossip.snapshot import State
 from probes.model_id import model_id
 
@@ -57,6 +61,8 @@ OUTCOMES: frozenset[str] = frozenset({"ok", "error", "timeout"})
 
 # Draws per wanted candidate before the fast path gives up and filters exactly.
 _TRIES_PER_PICK = 8
+# A full peer's weight in spill(), as a share of its slots.
+_SPILL_FLOOR = 0.1
 # Bounds the name -> model_id cache against clients sending arbitrary names.
 _MAX_CACHED_NAMES = 4096
 
@@ -97,10 +103,30 @@ class NoCandidate:
     counts: Mapping[str, int]  # peers serving the model, by why each is unusable
 
 
+def spill(peers: Sequence[Candidate], session: str) -> Candidate:
+    """Where a session goes that every usable peer passes on: a draw weighted by the
+    peers' free slots as their snapshots say (weighted rendezvous hashing: the lowest
+    -ln(u) / weight, u the session's coin on the peer), so that hosts holding the same
+    snapshots agree, and sessions spill where there is room, spread in proportion to it.
+    By load as each host sees it (d choices), two hosts asked at the same moment named
+    different peers; all to the first peer, the fleet's overflow landed on one host.
+    Every peer weighs at least _SPILL_FLOOR of its slots: when all are full, by size."""
+    def score(c: Candidate) -> float:
+        free = max(c.capacity - c.peer.in_flight, _SPILL_FLOOR * c.capacity, 1e-9)
+        u = (hash64(f"{c.peer.node_id}\x1f{session}\x1fspill") + 1) / (2**64 + 1)
+        return -math.log(u) / free
+    return min(peers, key=score)
+
+
 class Router:
-    def __init__(self, config: RoutingConfig | None = None) -> None:
+    def __init__(self, config: RoutingConfig | None = None,
+                 shedding: Shedding | None = None) -> None:
+        """shedding: the bands of a router this one replaces (a reload), so that the
+        sessions passed on stay where they went."""
         self.config = config or RoutingConfig()
         c = self.config
+        self.shedding = shedding or Shedding(c.epsilon)
+        self.shedding.epsilon = c.epsilon
         self._rng = random.Random(c.seed)
         self._freshness_ms = round(c.freshness_s * 1000)
         self._ramp_ms = round(c.slow_start_s * 1000)
@@ -126,10 +152,17 @@ class Router:
                 peer.refresh(row, now_ms, self.config)
         self._models = build(list(self._peers.values()), self.config, self._static_ids, now_ms)
         self._fleet_rps = sum(m.rps for p in self._peers.values() if p.alive for m in p.snapshot.models)
-        # A ring stays valid while its model's candidate set is the same: a peer whose
-        # circuit opens is skipped per request instead.
+        # A ring holds every peer known to serve its model, dead and draining ones too
+        # until they are reaped, so that their sessions stay guests where they went
+        # (shed.py); it stays valid while those peers and their weights are the same, and
+        # the peers that are not candidates, or not usable for one request, are skipped.
         self._rings = {mid: ring for mid, ring in self._rings.items()
-                       if mid in self._models and ring.nodes == frozenset(self._models[mid].by_node)}
+                       if mid in self._models and ring.vnodes == self._models[mid].ring}
+        self._shed(now_ms)
+
+    def band(self, model_id: int) -> tuple[float, float]:
+        """This node's band of passed-on sessions for the model, (start, width)."""
+        return self.shedding.band(model_id)
 
     def best(self, model: str, session: str | None, exclude: Collection[str],
              now_ms: int) -> Decision | NoCandidate:
@@ -145,7 +178,7 @@ class Router:
                     and p.breaker.allows(now_ms))
 
         if session is not None and entry.candidates:
-            by_ring = self._by_session(entry, session, usable, now_ms)
+            by_ring = self._by_session(entry, session, usable)
             if by_ring is not None:
                 return self._decide(*by_ring, now_ms)
 
@@ -194,45 +227,62 @@ class Router:
     def _effective_capacity(self, c: Candidate, now_ms: int) -> float:
         return c.weight * c.peer.ramp(now_ms, self._ramp_ms, self.config.slow_start_floor)
 
-    def _rate(self, c: Candidate, now_ms: int) -> float:
-        """What a peer serves per unit of time, for the sessions' bound: its capacity at
-        its pace, so that a slower or smaller peer holds fewer sessions. Health does not
-        enter: an overload rule must not break affinity; the load does that, through the
-        bound, and only for as many sessions as the peer is over."""
-        ramp = c.peer.ramp(now_ms, self._ramp_ms, self.config.slow_start_floor)
-        return c.capacity * ramp / c.service_ms
-
     def _cost(self, c: Candidate, share: float, now_ms: int) -> float:
         return ((c.peer.load(share) + 1) * c.service_ms
                 / (self._effective_capacity(c, now_ms) * c.success))
 
-    def _by_session(self, entry: ModelCandidates, session: str, usable: _Usable,
-                    now_ms: int) -> tuple[list[Candidate], str] | None:
-        """The bound is on the snapshots' in-flight counts alone, which every host sees
-        alike: with this node's own sends in it, scaled to the fleet, two hosts asked about
-        one session at the same moment would often disagree on whether its peer is full."""
+    def _shed(self, now_ms: int) -> None:
+        """Steps this node's bands: its load per slot against each of its models' fleets.
+        The loads are the snapshots' in-flight counts, this node's included, as every host
+        sees them."""
+        served: set[int] = set()
+        for mid, entry in self._models.items():
+            own = next((c for c in entry.candidates if c.peer.is_self), None)
+            if own is None:
+                continue
+            served.add(mid)
+            others = [(c.peer.in_flight, c.capacity) for c in entry.candidates
+                      if c is not own and c.peer.fresh(now_ms, self._freshness_ms)]
+            self.shedding.step(mid, own.peer.in_flight, own.capacity, others, now_ms)
+        self.shedding.forget_except(served)
+
+    def _by_session(self, entry: ModelCandidates, session: str,
+                    usable: _Usable) -> tuple[list[Candidate], str] | None:
+        """The first usable peer along the ring that keeps the session, with the next
+        usable ones as alternatives; when every one passes it on, spill()'s; None when
+        none is usable. Only what the snapshots publish decides (the peers, their bands
+        and loads), so every host holding the same snapshots makes the same choice."""
         ring = self._rings.get(entry.model_id)
         if ring is None:
-            ring = self._rings[entry.model_id] = HashRing(entry.by_node, self.config.vnodes)
-        total_load = sum(c.peer.in_flight for c in entry.candidates)
-        total_capacity = sum(self._rate(c, now_ms) for c in entry.candidates)
+            ring = self._rings[entry.model_id] = HashRing(entry.ring)
+        want = self.config.alternatives
         chosen: Candidate | None = None
-        moved = False
+        passed: list[Candidate] = []
         alternatives: list[Candidate] = []
+        owner: str | None = None
         for node_id in ring.walk(session):
-            c = entry.by_node[node_id]
-            if chosen is None:
-                if usable(c) and within_bound(c.peer.in_flight, self._rate(c, now_ms),
-                                              total_load, total_capacity, self.config.epsilon):
-                    chosen = c
-                else:
-                    moved = True
-            elif usable(c):
+            owner = owner or node_id
+            c = entry.by_node.get(node_id)
+            if c is None or not usable(c):
+                continue
+            if chosen is not None:
                 alternatives.append(c)
-                if len(alternatives) == self.config.alternatives:
+                if len(alternatives) == want:
+                    break
+            elif passes_on(*c.band, node_id, session, node_id == owner):
+                passed.append(c)
+            else:
+                chosen = c
+                if not want:
                     break
         if chosen is None:
-            return None
+            if not passed:
+                return None
+            chosen = spill(passed, session)
+            rest = [c for c in passed if c is not chosen]
+            return [chosen, *rest[:want]], "session passed on by every peer"
+        alternatives += passed[:want - len(alternatives)]
+        moved = chosen.peer.node_id != owner
         return [chosen, *alternatives], "session moved along the ring" if moved else "session"
 
     def _draw_filtered(self, entry: ModelCandidates, excluded: Collection[str],

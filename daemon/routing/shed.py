@@ -1,0 +1,165 @@
+"""The sessions' load bound, decided by the host that carries the load.
+
+Each session has, for each peer, a coin in [0, 1) (BLAKE2b of the two names, so every host
+draws the same): in [GUESTS, 1) where the peer is the session's own (the first on its
+ring), in [0, GUESTS) where it is a guest (passed on by the peers before it, or theirs
+gone). A peer publishes, per model, a band of the coins: [start, start + width) around the
+circle. It passes on the sessions whose coin falls in its band, which then go to the next
+peer on their ring (router.py); it keeps the others. A band grows from 0, so a host passes
+on its guests before its own sessions: when a host is lost, its sessions move on to where
+there is room, and the sessions of the hosts that took them first stay where they are.
+The guests' part is small: a host with few of them must reach its own sessions soon.
+
+Every host reads the same band from the same snapshot, so hosts agree on where a session
+goes, whatever their own view of the loads. A bound that each host evaluated on its own
+copy of the in-flight counts (Mirrokni et al.'s bounded loads) disagreed near the bound:
+two hosts asked about a session at the same moment agreed 59% of the time in the fleet
+bench, and a session's peer flipped with the snapshots.
+
+The band follows the host's load per slot (in flight over capacity, the batch it has
+shown), smoothed over _SMOOTH_MS. A slot is a unit of batch, so equal load per slot is
+equal queueing; a slower host at equal load per slot already takes fewer requests a
+second. Against the fleet's level (_level: the fleet's mean load per slot, every host above
+this one counted at this one's):
+
+- Above 1 + epsilon, every _STEP_MS the band grows (by the excess times _GAIN, at least
+  _MIN_STEP, at most _MAX_STEP): the sessions at its end move away. It does not grow
+  while the host's in-flight count is below _DRAINING of what it was at the last step
+  (unsmoothed: the smoothed figure would still be rising): the sessions passed on are
+  working, and what still counts against the host is the queue they left, which only time
+  drains. Small steps, each given time to show: a step that shows only after the next has
+  been taken overshoots, and every host then passes everything on.
+- While the other candidates have less than _ROOM of their slots free (a host lost, a
+  surge), the band grows no further than the guests: they queue too, so a session of its
+  own moved there moves its queue rather than shortening it, and costs its prefix cache,
+  a whole prefill, when the fleet can least afford one; and a lost host's sessions, not
+  the survivors' own, are the ones that move on. Free slots are counted per peer: by the
+  sums, two queueing hosts would make three idle ones look full. (Growing above twice
+  1 + epsilon instead, the hosts that took a lost host's sessions passed on 64-100% of
+  their own in the fleet bench, and half the survivors' sessions moved.)
+
+Against the fleet's mean load per slot:
+
+- Below _LOW for _QUIET_MS on end, every _STEP_MS the band's start moves forward by
+  _RETURN: the sessions passed on first come back first. The last one passed on is the one
+  that ended the overload (often the busiest session), and it stays away longest; taking
+  it back first would pass it on again at once. Slow and only after a long quiet, because
+  a session that comes back is a session moved twice (returning by 0.2 x the shortfall
+  after 4 s, bands swung between 0.05 and 0.9 in the fleet bench and 68% of a session's
+  requests stayed on its host). An empty band starts from 0 again.
+
+With less than one request in flight per candidate the comparison says nothing: the band
+holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from daemon.routing.ring import hash64
+
+GUESTS = 0.1
+_SMOOTH_MS = 2_000
+_STEP_MS = 2_000
+_GAIN = 0.2
+_MIN_STEP = 0.03
+_MAX_STEP = 0.2
+_DRAINING = 0.95
+_ROOM = 0.1
+_LOW = 0.75
+_QUIET_MS = 10_000
+_RETURN = 0.02
+
+
+def coin(node_id: str, session: str, own: bool) -> float:
+    """own: whether node_id is the first peer on the session's ring."""
+    draw = hash64(f"{node_id}\x1f{session}") / 2**64
+    return GUESTS + draw * (1 - GUESTS) if own else draw * GUESTS
+
+
+def passes_on(start: float, width: float, node_id: str, session: str, own: bool) -> bool:
+    """Whether a peer publishing the band (start, width) passes the session on."""
+    if width <= 0:
+        return False
+    return (coin(node_id, session, own) - start) % 1.0 < width
+
+
+@dataclass
+class _Band:
+    start: float = 0.0
+    width: float = 0.0
+    above: float = 1.0          # smoothed load per slot over the fleet's level (_level)
+    ratio: float = 1.0          # smoothed load per slot over the fleet's mean
+    free: float = 1.0           # smoothed share of the other candidates' slots free
+    step_load: float = 0.0      # in flight at the last step
+    smoothed_ms: int | None = None
+    stepped_ms: int = 0
+    quiet_since: int | None = None
+
+
+def _level(own_per_slot: float, loads: Sequence[tuple[float, float]]) -> float:
+    """The fleet's load per slot with every host above this one counted at this one's
+    level: how far this host stands above the rest, not counting those above it. With the
+    plain mean, one host's long queue makes every other host look idle, queueing or not;
+    with the median, two queueing hosts hide two idle ones."""
+    total = sum(cap for _, cap in loads)
+    return sum(min(load / cap, own_per_slot) * cap for load, cap in loads if cap > 0) / total
+
+
+class Shedding:
+    """This host's bands, per model_id. Not thread-safe: the router's update calls it."""
+
+    def __init__(self, epsilon: float) -> None:
+        self.epsilon = epsilon
+        self._bands: dict[int, _Band] = {}
+
+    def band(self, model_id: int) -> tuple[float, float]:
+        b = self._bands.get(model_id)
+        return (0.0, 0.0) if b is None else (b.start, b.width)
+
+    def forget_except(self, model_ids: set[int]) -> None:
+        for gone in self._bands.keys() - model_ids:
+            del self._bands[gone]
+
+    def step(self, model_id: int, own_load: float, own_capacity: float,
+             others: Sequence[tuple[float, float]], now_ms: int) -> None:
+        """own_load, own_capacity: this host's in flight and slots; others: the same for
+        each other candidate of the model."""
+        b = self._bands.setdefault(model_id, _Band(stepped_ms=now_ms))
+        fleet_load = own_load + sum(load for load, _ in others)
+        fleet_capacity = own_capacity + sum(cap for _, cap in others)
+        if fleet_load < 1 + len(others) or own_capacity <= 0 or fleet_capacity <= 0:
+            b.smoothed_ms, b.quiet_since = None, None
+            return
+        own = own_load / own_capacity
+        level = _level(own, [(own_load, own_capacity), *others])
+        above = own / level if level > 0 else 1.0
+        ratio = own / (fleet_load / fleet_capacity)
+        room = fleet_capacity - own_capacity
+        free = sum(max(0.0, cap - load) for load, cap in others) / room if room > 0 else 0.0
+        if b.smoothed_ms is None:
+            b.above, b.ratio, b.free, b.step_load = above, ratio, free, own_load
+        else:
+            keep = math.exp(-max(0, now_ms - b.smoothed_ms) / _SMOOTH_MS)
+            b.above = keep * b.above + (1 - keep) * above
+            b.ratio = keep * b.ratio + (1 - keep) * ratio
+            b.free = keep * b.free + (1 - keep) * free
+        b.smoothed_ms = now_ms
+        if b.ratio >= _LOW:
+            b.quiet_since = None
+        elif b.quiet_since is None:
+            b.quiet_since = now_ms
+        if now_ms - b.stepped_ms < _STEP_MS:
+            return
+        excess = b.above - (1 + self.epsilon)
+        most = 1.0 if b.free >= _ROOM else max(b.width, GUESTS)
+        if excess > 0 and own_load > _DRAINING * b.step_load and b.width < most:
+            b.width = min(most, b.width + min(_MAX_STEP, max(_MIN_STEP, _GAIN * excess)))
+        elif b.quiet_since is not None and now_ms - b.quiet_since >= _QUIET_MS and b.width > 0:
+            back = min(_RETURN, b.width)
+            b.start, b.width = (b.start + back) % 1.0, b.width - back
+            if b.width <= 0:
+                b.start = 0.0
+        b.stepped_ms, b.step_load = now_ms, own_load

@@ -1,0 +1,89 @@
+"""Sessions on a real fleet: three hosts in namespaces (tests/fleet.py), one with half the
+batch of the others, three agents on shipped defaults, 80% load in sessions of Zipf
+popularity entering at every host.
+
+    two agents asked about one session within a second name the same peer; sessions
+    stay on their peer; the small host passes sessions on and carries no more than its
+    share of the slots (with 25% of slack), where the ring alone gives it a third of the
+    sessions (1.67 times its share).
+
+scripts/bench_fleet.py --sessions measures the same on five hosts, with a host killed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet import Host, affinity, arrivals, capacity_rps, fleet, get_json
+from nettopo import leftovers
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+
+HOSTS = (Host("a", 8, 20), Host("b", 8, 20), Host("c", 4, 20))
+END = 40.0
+SETTLED = 15.0
+LOAD = 0.8
+SESSIONS = 100
+SEED = 5
+
+
+@pytest.fixture(scope="module")
+def run() -> Iterator[tuple[list[dict[str, Any]], list[list[int]]]]:
+    plan = arrivals(LOAD * capacity_rps(HOSTS, SEED), END, SEED, len(HOSTS), SESSIONS)
+    samples: list[tuple[float, list[int]]] = []
+    with tempfile.TemporaryDirectory(prefix="lm-sessions-test-") as tmp:
+        with fleet(HOSTS, Path(tmp), prefix="lms") as f:
+            stop = threading.Event()
+
+            def poll() -> None:
+                # Each server's waiting + running, from its own engine.
+                while not stop.wait(0.25):
+                    try:
+                        stats = [get_json(u + "/stats") for u in f.urls]
+                    except OSError:
+                        continue
+                    samples.append((time.monotonic(), [s["waiting"] + s["running"] for s in stats]))
+
+            load, start = f.start_load({"policy": "loadmesh", "arrivals": plan, "seed": SEED})
+            poller = threading.Thread(target=poll, daemon=True)
+            poller.start()
+            try:
+                rows = f.result(load, END + 120)
+            finally:
+                stop.set()
+                poller.join()
+    assert leftovers("lms") == []
+    yield rows, [held for t, held in samples if start + SETTLED <= t <= start + END]
+
+
+def test_agents_agree_on_a_sessions_peer_and_it_keeps_it(
+        run: tuple[list[dict[str, Any]], list[list[int]]]) -> None:
+    rows, _ = run
+    assert all(r["status"] == 200 for r in rows), [r for r in rows if r["status"] != 200][:3]
+    _, sticky, agree, pairs = affinity(rows, 0.0, END)
+    assert pairs > 20
+    # Measured with sessions that every peer passes on sent by load, as each agent saw
+    # it: agreement 0.75-0.94, 0.76 on its peer (the small host passes on some 40% of its
+    # sessions in the first seconds); now they spill by the snapshots' free slots, which
+    # every agent reads alike. A bound each agent evaluated on its own view agreed 0.59
+    # of the time on five hosts.
+    assert agree is not None and agree >= 0.8
+    assert sticky >= 0.7
+
+
+def test_the_small_host_carries_no_more_than_its_share_of_the_slots(
+        run: tuple[list[dict[str, Any]], list[list[int]]]) -> None:
+    _, samples = run
+    held = [sum(col) for col in zip(*samples, strict=True)]
+    slots = sum(h.slots for h in HOSTS)
+    occupancy = [n / sum(held) / (h.slots / slots) for n, h in zip(held, HOSTS, strict=True)]
+    # Measured: 0.92, where the ring alone would give it 1.67.
+    assert occupancy[2] <= 1.25, occupancy

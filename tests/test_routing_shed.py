@@ -1,0 +1,170 @@
+"""The sessions' load bound: coins, bands, and how a host's band follows its load."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.routing.shed import GUESTS, Shedding, coin, passes_on
+
+SESSIONS = [f"session-{i}" for i in range(4000)]
+MID = 1
+T0 = 1_000_000
+
+
+def test_coin_is_stable_across_processes_and_spreads() -> None:
+    # Every host must draw the same coin: no per-process salt.
+    draw = 0xF038CA0B841509F9 / 2**64  # BLAKE2b-64 of "gpu-a\x1fsession-1"
+    assert coin("gpu-a", "session-1", True) == pytest.approx(GUESTS + draw * (1 - GUESTS))
+    assert coin("gpu-a", "session-1", False) == pytest.approx(draw * GUESTS)
+    own = [coin("gpu-a", s, True) for s in SESSIONS]
+    guest = [coin("gpu-a", s, False) for s in SESSIONS]
+    # A peer's own sessions draw in [GUESTS, 1), its guests in [0, GUESTS): a band growing
+    # from 0 reaches the guests first.
+    half = (1 + GUESTS) / 2
+    assert all(GUESTS <= c < 1 for c in own) and all(0 <= c < GUESTS for c in guest)
+    assert 0.45 < sum(c < half for c in own) / len(own) < 0.55
+    # Independent per peer: a session passed on by one peer is not passed on by all.
+    other = [coin("gpu-b", s, True) for s in SESSIONS]
+    both = sum(a < half and b < half for a, b in zip(own, other, strict=True)) / len(SESSIONS)
+    assert 0.2 < both < 0.3
+
+
+def test_band_wraps_around_the_circle_and_reaches_guests_first() -> None:
+    low = next(s for s in SESSIONS if coin("n", s, False) < 0.05)
+    high = next(s for s in SESSIONS if coin("n", s, True) > 0.95)
+    middle = next(s for s in SESSIONS if 0.4 < coin("n", s, True) < 0.8)
+    assert passes_on(0.9, 0.2, "n", low, False) and passes_on(0.9, 0.2, "n", high, True)
+    assert not passes_on(0.9, 0.2, "n", middle, True)
+    assert not passes_on(0.3, 0.0, "n", middle, True)
+    assert all(passes_on(0.3, 1.0, "n", s, True) for s in SESSIONS[:200])
+    assert all(passes_on(0.0, GUESTS, "n", s, False) and not passes_on(0.0, GUESTS, "n", s, True)
+               for s in SESSIONS[:200])
+
+
+def passed(band: tuple[float, float]) -> set[tuple[str, bool]]:
+    """The sessions, own and guests, that a peer "n" with the band passes on."""
+    return {(s, own) for s in SESSIONS for own in (True, False) if passes_on(*band, "n", s, own)}
+
+
+def even(load: float, capacity: float, peers: int = 4) -> list[tuple[float, float]]:
+    """The other candidates, sharing load and slots evenly."""
+    return [(load / peers, capacity / peers)] * peers
+
+
+def run(shed: Shedding, seconds: float, own: float, capacity: float = 8.0, fleet: float = 40.0,
+        fleet_capacity: float = 80.0, start: int = T0,
+        others: list[tuple[float, float]] | None = None) -> int:
+    """Steps every 100 ms, as the router's update does; returns the time reached."""
+    if others is None:
+        others = even(fleet - own, fleet_capacity - capacity)
+    now = start
+    for _ in range(round(seconds * 10)):
+        now += 100
+        shed.step(MID, own, capacity, others, now)
+    return now
+
+
+def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
+    # 6 in flight on 8 slots while the fleet holds 0.5 per slot: 1.5 times its share. The
+    # load does not fall (the test holds it), so the band keeps growing, step by step.
+    shed = Shedding(0.15)
+    run(shed, 1.0, own=6, fleet=40)
+    assert shed.band(MID) == (0.0, 0.0)
+    widths = []
+    now = T0 + 1000
+    for _ in range(5):
+        now = run(shed, 3.0, own=6, fleet=40, start=now)
+        widths.append(shed.band(MID)[1])
+    assert widths == sorted(set(widths)) and widths[0] > 0 and widths[-1] < 1
+    # Growing the band moves only the sessions at its end.
+    assert passed((0.0, widths[1])) <= passed((0.0, widths[2]))
+
+
+def test_a_draining_host_stops_growing_its_band() -> None:
+    # Above its share, but its in-flight count is falling fast: the sessions passed on
+    # are working, what is left is the queue.
+    shed = Shedding(0.15)
+    now, own = T0, 40.0
+    for _ in range(100):
+        now += 100
+        shed.step(MID, own, 8, even(32, 72), now)
+        own *= 0.985
+    assert shed.band(MID)[1] <= 0.1
+
+
+def test_a_host_within_its_share_holds_its_band() -> None:
+    shed = Shedding(0.15)
+    run(shed, 10, own=4.5, fleet=40)
+    assert shed.band(MID) == (0.0, 0.0)
+    # Too little in flight to compare (fewer than one request per candidate): hold.
+    run(shed, 10, own=3, fleet=3, start=T0 + 10_000)
+    assert shed.band(MID) == (0.0, 0.0)
+
+
+def test_a_host_passes_on_only_its_guests_while_its_peers_are_full() -> None:
+    # The other peers hold 32 in flight on 32 slots: they queue too. Even at 4 times the
+    # fleet's load per slot, the band stops at the guests.
+    shed = Shedding(0.15)
+    run(shed, 20, own=32, fleet=64, fleet_capacity=40)
+    assert shed.band(MID) == (0.0, GUESTS)
+    # 1.7 times over, with room on the others: sessions move.
+    room = Shedding(0.15)
+    run(room, 5, own=16, fleet=32, fleet_capacity=40)
+    assert room.band(MID)[1] > 0
+    # Room counts per peer: two peers queueing do not hide two idle ones.
+    uneven = Shedding(0.15)
+    run(uneven, 5, own=16, fleet=48, fleet_capacity=40,
+        others=[(15, 8), (15, 8), (1, 8), (1, 8)])
+    assert uneven.band(MID)[1] > 0
+
+
+def test_a_peers_long_queue_does_not_hide_this_hosts_overload() -> None:
+    # 2 per slot here, two peers at 0.25 and one with 60 queued on 4 slots: by the
+    # fleet's mean (2.9 per slot) this host would look idle.
+    shed = Shedding(0.15)
+    run(shed, 5, own=16, others=[(60, 4), (2, 8), (2, 8)])
+    assert shed.band(MID)[1] > 0
+
+
+def test_sessions_come_back_first_in_first_out_after_a_long_quiet() -> None:
+    shed = Shedding(0.15)
+    now = run(shed, 12, own=24, fleet=56)
+    # The smoothed load takes a moment to fall; then a short quiet changes nothing, and a
+    # long one brings back the sessions passed on first (the start of the band) while the
+    # last ones passed on stay away.
+    now = run(shed, 3, own=1, fleet=40, start=now)
+    start, width = shed.band(MID)
+    assert start == 0.0 and width > 0.2
+    now = run(shed, 5, own=1, fleet=40, start=now)
+    assert shed.band(MID) == (start, width)
+    now = run(shed, 20, own=1, fleet=40, start=now)
+    later_start, later_width = shed.band(MID)
+    assert later_start > start and later_width < width
+    assert later_start + later_width == pytest.approx(start + width)
+    assert passed((later_start, later_width)) < passed((start, width))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 500), st.floats(0, 64),
+                          st.lists(st.tuples(st.floats(0, 500), st.floats(0, 64)), max_size=8),
+                          st.integers(0, 5000)),
+                max_size=60))
+def test_band_stays_on_the_circle(
+        steps: list[tuple[float, float, list[tuple[float, float]], int]]) -> None:
+    shed = Shedding(0.15)
+    now = T0
+    for own, capacity, others, dt in steps:
+        now += dt
+        shed.step(MID, own, capacity, others, now)
+        start, width = shed.band(MID)
+        assert 0 <= start < 1 and 0 <= width <= 1
+
+
+def test_bands_of_models_no_longer_served_are_forgotten() -> None:
+    shed = Shedding(0.15)
+    run(shed, 6, own=24, fleet=56)
+    assert shed.band(MID)[1] > 0
+    shed.forget_except(set())
+    assert shed.band(MID) == (0.0, 0.0)
