@@ -166,6 +166,10 @@ class _Interval:
     requests: Mapping[EndpointKey, RequestStats]
     ports: Mapping[int, PortStats]
     flight: Mapping[tuple[int, int], int]  # (model, port) -> in flight at the end, sampled
+    # (model, port) -> [5xx and 429 answers, answers, ends not complete, ends], over the
+    # endpoints that count toward the load: summed once here, read by every poll of the
+    # next FAILED_S.
+    outcomes: Mapping[tuple[int, int], list[int]]
 
 
 @dataclass
@@ -378,8 +382,20 @@ class FingerprintReader:
         for key, f in snap.inflight.items():
             if counts_toward_load(key) and key[2] != EP_EMBEDDINGS:
                 flight[key[:2]] = flight.get(key[:2], 0) + f.waiting + f.running
+        outcomes: dict[tuple[int, int], list[int]] = {}
+        for (model, port, endpoint, kind, status, _bucket), n in hist.items():
+            if kind == TTFB and counts_toward_load((model, port, endpoint)):
+                acc = outcomes.setdefault((model, port), [0, 0, 0, 0])
+                acc[0] += n if status == 429 or 500 <= status <= 599 else 0
+                acc[1] += n
+        for key, d in requests.items():
+            if counts_toward_load(key):
+                acc = outcomes.setdefault(key[:2], [0, 0, 0, 0])
+                ended = sum(d[:len(OUTCOMES)])
+                acc[2] += ended - d[OUT_COMPLETE]
+                acc[3] += ended
         start, self._last_poll = self._last_poll, now
-        return _Interval(start, now, hist, requests, ports, flight)
+        return _Interval(start, now, hist, requests, ports, flight, outcomes)
 
     def _fig(self, key: EndpointKey) -> _Figures:
         fig = self._figures.get(key)
@@ -441,37 +457,25 @@ class FingerprintReader:
         inter-token gaps of the intervals ending in the last PACE_S, by bucket; and the
         failed ratio of those ending in the last FAILED_S."""
         itl: dict[tuple[int, int], dict[int, int]] = {}
-        if not self._window:
-            return itl, {}
-        last = self._window[-1].end
-        answers: dict[tuple[int, int], list[int]] = {}  # -> [failing statuses, statuses]
-        ends: dict[tuple[int, int], list[int]] = {}  # -> [not complete, ended]
+        sums: dict[tuple[int, int], list[int]] = {}
+        last = self._window[-1].end if self._window else 0.0
         for iv in reversed(self._window):
             if iv.end <= last - max(PACE_S, FAILED_S):
                 break
-            pace, fail = iv.end > last - PACE_S, iv.end > last - FAILED_S
-            for (model, port, endpoint, kind, status, bucket), n in iv.hist.items():
-                if not counts_toward_load((model, port, endpoint)):
-                    continue
-                if kind == ITL and pace:
-                    counts = itl.setdefault((model, port), {})
-                    counts[bucket] = counts.get(bucket, 0) + n
-                elif kind == TTFB and fail:
-                    acc = answers.setdefault((model, port), [0, 0])
-                    acc[0] += n if status == 429 or 500 <= status <= 599 else 0
-                    acc[1] += n
-            for key, d in iv.requests.items() if fail else ():
-                if counts_toward_load(key):
-                    acc = ends.setdefault(key[:2], [0, 0])
-                    ended = sum(d[:len(OUTCOMES)])
-                    acc[0] += ended - d[OUT_COMPLETE]
-                    acc[1] += ended
+            for key, counts in iv.outcomes.items() if iv.end > last - FAILED_S else ():
+                acc = sums.setdefault(key, [0, 0, 0, 0])
+                for i, n in enumerate(counts):
+                    acc[i] += n
+            for (model, port, endpoint, kind, _status, bucket), n in (
+                    iv.hist.items() if iv.end > last - PACE_S else ()):
+                if kind == ITL and counts_toward_load((model, port, endpoint)):
+                    gaps = itl.setdefault((model, port), {})
+                    gaps[bucket] = gaps.get(bucket, 0) + n
         failed = {}
-        for key in answers.keys() | ends.keys():
-            (bad, n), (unfinished, ended) = answers.get(key, (0, 0)), ends.get(key, (0, 0))
+        for key, (bad, answers, unfinished, ended) in sums.items():
             # An answer's status counts at its first byte, its outcome at its end: either
             # can be ahead, and a request never answered has no status at all.
-            failed[key] = min(1.0, (bad + unfinished) / max(n, ended)) if bad + unfinished else 0.0
+            failed[key] = min(1.0, (bad + unfinished) / max(answers, ended)) if bad + unfinished else 0.0
         return itl, failed
 
     def _model_stats(self, snap: MapSnapshot) -> tuple[ModelStats, ...]:
