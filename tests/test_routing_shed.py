@@ -67,15 +67,15 @@ def run(shed: Shedding, seconds: float, own: float, capacity: float = 8.0, fleet
 
 
 def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
-    # 6 in flight on 8 slots while the fleet holds 0.5 per slot: 1.5 times its share. The
+    # 8 in flight on 8 slots while the fleet holds 0.5 per slot: twice its share of 4. The
     # load does not fall (the test holds it), so the band keeps growing, step by step.
     shed = Shedding(0.15)
-    run(shed, 1.0, own=6, fleet=40)
+    run(shed, 1.0, own=8, fleet=40)
     assert shed.band(MID) == (0.0, 0.0)
     widths = []
     now = T0 + 1000
     for _ in range(5):
-        now = run(shed, 3.0, own=6, fleet=40, start=now)
+        now = run(shed, 3.0, own=8, fleet=40, start=now)
         widths.append(shed.band(MID)[1])
     assert widths == sorted(set(widths)) and widths[0] > 0 and widths[-1] < 1
     # Growing the band moves only the sessions at its end.
@@ -98,8 +98,15 @@ def test_a_host_within_its_share_holds_its_band() -> None:
     shed = Shedding(0.15)
     run(shed, 10, own=4.5, fleet=40)
     assert shed.band(MID) == (0.0, 0.0)
+    # 6 where its share is 4: within what chance gives a count of that size.
+    run(shed, 20, own=6, fleet=40, start=T0 + 10_000)
+    assert shed.band(MID) == (0.0, 0.0)
+    # 60 where its share is 40 is not chance.
+    big = Shedding(0.15)
+    run(big, 10, own=60, capacity=80, fleet=400, fleet_capacity=800)
+    assert big.band(MID)[1] > 0
     # Too little in flight to compare (fewer than one request per candidate): hold.
-    run(shed, 10, own=3, fleet=3, start=T0 + 10_000)
+    run(shed, 10, own=3, fleet=3, start=T0 + 30_000)
     assert shed.band(MID) == (0.0, 0.0)
 
 

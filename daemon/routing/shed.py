@@ -22,8 +22,13 @@ equal queueing; a slower host at equal load per slot already takes fewer request
 second. Against the fleet's level (_level: the fleet's mean load per slot, every host above
 this one counted at this one's):
 
-- Above 1 + epsilon, every _STEP_MS the band grows (by the excess times _GAIN, at least
-  _MIN_STEP, at most _MAX_STEP): the sessions at its end move away. It does not grow
+- Above 1 + epsilon, and above by more than chance (_NOISE standard deviations of a count
+  of that size, sqrt of it: requests come and go at random, and a host holding six when
+  its share is five is not overloaded), every _STEP_MS the band grows (by the excess over
+  that mark times _GAIN, at least _MIN_STEP, at most _MAX_STEP): the sessions at its end
+  move away. Without the margin, chance alone grew every band: after 20 s of traffic
+  without sessions, which the d choices spread by load, the fleet bench's hosts passed on
+  45-70% of their sessions, and a band comes back only after a long quiet. It does not grow
   while the host's in-flight count is below _DRAINING of what it was at the last step
   (unsmoothed: the smoothed figure would still be rising): the sessions passed on are
   working, and what still counts against the host is the queue they left, which only time
@@ -68,6 +73,7 @@ _MIN_STEP = 0.03
 _MAX_STEP = 0.2
 _DRAINING = 0.95
 _ROOM = 0.1
+_NOISE = 1.0
 _LOW = 0.75
 _QUIET_MS = 10_000
 _RETURN = 0.02
@@ -90,7 +96,8 @@ def passes_on(start: float, width: float, node_id: str, session: str, own: bool)
 class _Band:
     start: float = 0.0
     width: float = 0.0
-    above: float = 1.0          # smoothed load per slot over the fleet's level (_level)
+    load: float = 0.0           # smoothed in flight
+    share: float = 0.0          # smoothed in flight at the fleet's level (_level)
     ratio: float = 1.0          # smoothed load per slot over the fleet's mean
     free: float = 1.0           # smoothed share of the other candidates' slots free
     step_load: float = 0.0      # in flight at the last step
@@ -134,16 +141,16 @@ class Shedding:
             b.smoothed_ms, b.quiet_since = None, None
             return
         own = own_load / own_capacity
-        level = _level(own, [(own_load, own_capacity), *others])
-        above = own / level if level > 0 else 1.0
+        share = _level(own, [(own_load, own_capacity), *others]) * own_capacity
         ratio = own / (fleet_load / fleet_capacity)
         room = fleet_capacity - own_capacity
         free = sum(max(0.0, cap - load) for load, cap in others) / room if room > 0 else 0.0
         if b.smoothed_ms is None:
-            b.above, b.ratio, b.free, b.step_load = above, ratio, free, own_load
+            b.load, b.share, b.ratio, b.free, b.step_load = own_load, share, ratio, free, own_load
         else:
             keep = math.exp(-max(0, now_ms - b.smoothed_ms) / _SMOOTH_MS)
-            b.above = keep * b.above + (1 - keep) * above
+            b.load = keep * b.load + (1 - keep) * own_load
+            b.share = keep * b.share + (1 - keep) * share
             b.ratio = keep * b.ratio + (1 - keep) * ratio
             b.free = keep * b.free + (1 - keep) * free
         b.smoothed_ms = now_ms
@@ -153,7 +160,8 @@ class Shedding:
             b.quiet_since = now_ms
         if now_ms - b.stepped_ms < _STEP_MS:
             return
-        excess = b.above - (1 + self.epsilon)
+        mark = (1 + self.epsilon) * b.share + _NOISE * math.sqrt(b.share)
+        excess = (b.load - mark) / b.share if b.share > 0 else 0.0
         most = 1.0 if b.free >= _ROOM else max(b.width, GUESTS)
         if excess > 0 and own_load > _DRAINING * b.step_load and b.width < most:
             b.width = min(most, b.width + min(_MAX_STEP, max(_MIN_STEP, _GAIN * excess)))
