@@ -28,7 +28,7 @@ this one counted at this one's):
   that mark times _GAIN, at least _MIN_STEP, at most _MAX_STEP): the sessions at its end
   move away. Without the margin, chance alone grew every band: after 20 s of traffic
   without sessions, which the d choices spread by load, the fleet bench's hosts passed on
-  45-70% of their sessions, and a band comes back only after a long quiet. It does not grow
+  14-52% of their sessions, and a band comes back only after a long quiet. It does not grow
   while the host's in-flight count is below _DRAINING of what it was at the last step
   (unsmoothed: the smoothed figure would still be rising): the sessions passed on are
   working, and what still counts against the host is the queue they left, which only time
