@@ -128,18 +128,30 @@ def shift_s(rows: list[dict[str, Any]], host: str, at_s: float, before: float,
     return end_of(first), end_of(settled)
 
 
+def moved(rows: list[dict[str, Any]], home: dict[str, str], killed: str,
+          from_s: float) -> tuple[float, int]:
+    """Of the requests from from_s of the sessions whose home is not the killed host, the
+    share sent elsewhere than their home, and how many there were."""
+    after = [r for r in rows if r["host"] and r["t"] >= from_s and home.get(r["session"])
+             not in (None, killed)]
+    return sum(r["host"] != home[r["session"]] for r in after) / max(1, len(after)), len(after)
+
+
 def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str) -> dict[str, Any]:
     """Affinity before the kill (request-weighted share of each session's requests on its
     most common host; pairs of one session's requests entering at different hosts within
     a second of each other that went to the same host), and after it: the sessions of the
-    other hosts sent elsewhere from kill_at + 4 s, and the killed host's last answer."""
+    other hosts sent elsewhere from kill_at + 4 s, their home the host they were on in the
+    last 10 s before the kill (where the kill found them) and, for comparison, their most
+    common host before it (which also counts a session passed on at t = 12 s as moved by
+    the kill at 30 s); and the killed host's last answer."""
     home, sticky, agree, pairs = affinity(rows, 0.0, kill_at)
-    after = [r for r in rows if r["host"] and r["t"] >= kill_at + 4 and home.get(r["session"])
-             not in (None, killed)]
-    moved = sum(r["host"] != home[r["session"]] for r in after)
+    last_home = affinity(rows, kill_at - 10, kill_at)[0]
+    moved_after, after = moved(rows, last_home, killed, kill_at + 4)
     named = [r["t"] - kill_at for r in rows if r["host"] == killed and r["t"] >= kill_at]
     return {"sticky": sticky, "agree": agree, "pairs": pairs,
-            "moved_after": moved / max(1, len(after)), "after": len(after),
+            "moved_after": moved_after, "after": after,
+            "moved_after_by_first_half": moved(rows, home, killed, kill_at + 4)[0],
             "killed_last_s": max(named, default=0.0),
             "reasons": Counter(r["reason"] for r in rows if r["reason"]).most_common(4)}
 
@@ -150,7 +162,8 @@ class InFlight:
 
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
-        self.samples: list[list[int]] = []
+        self.samples: list[tuple[float, list[int]]] = []
+        self._start = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -161,23 +174,28 @@ class InFlight:
                 stats = [get_json(u + "/stats") for u in self.urls]
             except OSError:
                 continue
-            self.samples.append([st["waiting"] + st["running"] for st in stats])
+            self.samples.append((time.monotonic() - self._start,
+                                 [st["waiting"] + st["running"] for st in stats]))
 
     def stop(self) -> list[float]:
         """Each host's share of the fleet's requests in flight, averaged over time."""
         self._stop.set()
         self._thread.join()
-        return self._shares(self.samples)
+        return self._shares([counts for _, counts in self.samples])
 
     def _shares(self, samples: list[list[int]]) -> list[float]:
         sums = [sum(col) for col in zip(*samples)] or [0] * len(self.urls)
         return [s / max(1, sum(sums)) for s in sums]
 
-    def timeline(self, weights: list[float], every_s: float = 5.0) -> str:
-        """Each host's share over its weight, per every_s seconds (samples are 0.25 s apart)."""
-        n = round(every_s / 0.25)
-        chunks = [self._shares(self.samples[i:i + n]) for i in range(0, len(self.samples), n)]
-        return "\n".join(f"    {name}: " + " ".join(f"{c[i] / weights[i]:.2f}" for c in chunks)
+    def timeline(self, weights: list[float], start: float, every_s: float = 5.0) -> str:
+        """Each host's share over its weight, per every_s seconds of the run that began at
+        monotonic `start` (by the clock: a round of polls takes longer than its 0.25 s
+        pause on 2 busy CPUs)."""
+        bins: dict[int, list[list[int]]] = {}
+        for t, counts in self.samples:
+            bins.setdefault(max(0, int((t + self._start - start) // every_s)), []).append(counts)
+        shares = [self._shares(bins[i]) for i in sorted(bins)]
+        return "\n".join(f"    {name}: " + " ".join(f"{c[i] / weights[i]:.2f}" for c in shares)
                          for i, name in enumerate(HOST_NAMES))
 
 
@@ -353,11 +371,13 @@ def main() -> int:
                   f"  share of the requests in flight / share of the slots, before the kill: "
                   + " ".join(f"{k} {v:.2f}" for k, v in over.items())
                   + f"\n  after the kill: other hosts' sessions moved {fig['moved_after']:.1%} "
-                  f"of {fig['after']} requests; {HOSTS[killed].name} last named "
+                  f"of {fig['after']} requests (home where they were in the last 10 s; by "
+                  f"their most common host before the kill "
+                  f"{fig['moved_after_by_first_half']:.1%}); {HOSTS[killed].name} last named "
                   f"{fig['killed_last_s']:.1f} s after; {dict(fig['reasons'])}\n"
                   f"  share of its sessions each host passed on, every 5 s:\n{widths}\n"
                   f"  share of the requests in flight / share of the slots, every 5 s:\n"
-                  f"{flight.timeline([h.slots / slots for h in HOSTS])}", flush=True)
+                  f"{flight.timeline([h.slots / slots for h in HOSTS], start)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out))
     return 0

@@ -19,21 +19,34 @@ bench, and a session's peer flipped with the snapshots.
 The band follows the host's load per slot (in flight over capacity, the batch it has
 shown), smoothed over _SMOOTH_MS. A slot is a unit of batch, so equal load per slot is
 equal queueing; a slower host at equal load per slot already takes fewer requests a
-second. Against the fleet's level (_level: the fleet's mean load per slot, every host above
-this one counted at this one's):
+second. Against the others' level (_level: their mean load per slot, every host above this
+one counted at this one's), the host's share is that level times its slots:
 
-- Above 1 + epsilon, and above by more than chance (_NOISE standard deviations of a count
-  of that size, sqrt of it: requests come and go at random, and a host holding six when
-  its share is five is not overloaded), every _STEP_MS the band grows (by the excess over
-  that mark times _GAIN, at least _MIN_STEP, at most _MAX_STEP): the sessions at its end
-  move away. Without the margin, chance alone grew every band: after 20 s of traffic
-  without sessions, which the d choices spread by load, the fleet bench's hosts passed on
-  14-52% of their sessions, and a band comes back only after a long quiet. It does not grow
-  while the host's in-flight count is below _DRAINING of what it was at the last step
+- Above 1 + epsilon times its share for long enough that chance cannot explain it, every
+  _STEP_MS the band grows (by the excess over that mark times _GAIN, at least _MIN_STEP,
+  at most _MAX_STEP): the sessions at its end move away. Requests come and go at random:
+  a count whose mean is its share has the share's square root as its standard deviation,
+  and a host holding six when its share is five is not overloaded. So each step adds the
+  excess in standard deviations, less _SLACK, to the band's evidence (a CUSUM, floored at
+  0, capped at _EVIDENCE), and the band grows while the evidence is at _EVIDENCE; a
+  growth spends _SPENT of it, so the next needs 1.5 standard deviations more. With the
+  counting process of tests/test_routing_shed.py (Poisson arrivals, lognormal service
+  times of 2.5 s on average, the share 4.8; 10 seeds): at its share, a band grows by
+  chance once in 460 s; it first grows after 8 s at 2.5 times the share, 14 s at 1.9
+  times, 20 s at 1.6 times (medians, from a cold start, the 5 s the count takes to rise
+  included). The rule it replaces, a mark one standard deviation above 1 + epsilon, grew
+  bands by chance about as often (10 times in 1800 s of the same model) and never below
+  1.6 times the share: a host held 1.8 times its share of the fleet's requests for 30 s
+  in the fleet bench. Without any margin, chance alone grew every band: after 20 s of
+  traffic without sessions the fleet bench's hosts passed on 14-52% of their sessions,
+  and a band comes back only after a long quiet. It does not grow while the host's
+  in-flight count is below _DRAINING of what it was at the last step, or below the mark
   (unsmoothed: the smoothed figure would still be rising): the sessions passed on are
-  working, and what still counts against the host is the queue they left, which only time
-  drains. Small steps, each given time to show: a step that shows only after the next has
-  been taken overshoots, and every host then passes everything on.
+  working, and what still counts against the host is the queue they left, which only
+  time drains. Small steps, each given time to show: a step that shows only after the
+  next has been taken overshoots, and every host then passes everything on. A band that
+  grows from 0 stops at the guests for a step: what they carried leaves before any of
+  its own sessions do.
 - While the other candidates have less than _ROOM of their slots free (a host lost, a
   surge), the band grows no further than the guests: they queue too, so a session of its
   own moved there moves its queue rather than shortening it, and costs its prefix cache,
@@ -46,12 +59,15 @@ this one counted at this one's):
 Against the fleet's mean load per slot:
 
 - Below _LOW for _QUIET_MS on end, every _STEP_MS the band's start moves forward by
-  _RETURN: the sessions passed on first come back first. The last one passed on is the one
-  that ended the overload (often the busiest session), and it stays away longest; taking
-  it back first would pass it on again at once. Slow and only after a long quiet, because
-  a session that comes back is a session moved twice (returning by 0.2 x the shortfall
-  after 4 s, bands swung between 0.05 and 0.9 in the fleet bench and 68% of a session's
-  requests stayed on its host). An empty band starts from 0 again.
+  _RETURN_GAIN times the shortfall under _LOW (as a fraction of it), at least _RETURN: the
+  sessions passed on first come back first, and an idle host's sooner (at _RETURN alone, a
+  host that had passed everything on sat at 0.07 of its share of the fleet's requests for
+  30 s in the fleet bench, while another held 1.4 times its share). The last one passed
+  on is the one that ended the overload (often the busiest session), and it stays away
+  longest; taking it back first would pass it on again at once. Only after a long quiet,
+  because a session that comes back is a session moved twice (returning by 0.2 x the
+  shortfall after 4 s, bands swung between 0.05 and 0.9 in the fleet bench and 68% of a
+  session's requests stayed on its host). An empty band starts from 0 again.
 
 With less than one request in flight per candidate the comparison says nothing: the band
 holds.
@@ -73,10 +89,13 @@ _MIN_STEP = 0.03
 _MAX_STEP = 0.2
 _DRAINING = 0.95
 _ROOM = 0.1
-_NOISE = 1.0
+_SLACK = 0.5
+_EVIDENCE = 3.0
+_SPENT = 1.5
 _LOW = 0.75
 _QUIET_MS = 10_000
 _RETURN = 0.02
+_RETURN_GAIN = 0.1
 
 
 def coin(node_id: str, session: str, own: bool) -> float:
@@ -101,18 +120,22 @@ class _Band:
     ratio: float = 1.0          # smoothed load per slot over the fleet's mean
     free: float = 1.0           # smoothed share of the other candidates' slots free
     step_load: float = 0.0      # in flight at the last step
+    evidence: float = 0.0       # CUSUM of the standard deviations above the mark
     smoothed_ms: int | None = None
     stepped_ms: int = 0
     quiet_since: int | None = None
 
 
-def _level(own_per_slot: float, loads: Sequence[tuple[float, float]]) -> float:
-    """The fleet's load per slot with every host above this one counted at this one's
+def _level(own_per_slot: float, others: Sequence[tuple[float, float]]) -> float:
+    """The other hosts' load per slot, every one above this host counted at this host's
     level: how far this host stands above the rest, not counting those above it. With the
     plain mean, one host's long queue makes every other host look idle, queueing or not;
-    with the median, two queueing hosts hide two idle ones."""
-    total = sum(cap for _, cap in loads)
-    return sum(min(load / cap, own_per_slot) * cap for load, cap in loads if cap > 0) / total
+    with the median, two queueing hosts hide two idle ones. This host's own load is left
+    out: a queue of its own lifts the fleet's mean, and its share with it (in the fleet
+    bench, a host with 17 in flight on 8 slots, next to one idle host and three at one a
+    slot, counted 10 of them as its share)."""
+    total = sum(cap for _, cap in others)
+    return sum(min(load / cap, own_per_slot) * cap for load, cap in others if cap > 0) / total
 
 
 class Shedding:
@@ -138,12 +161,12 @@ class Shedding:
         fleet_load = own_load + sum(load for load, _ in others)
         fleet_capacity = own_capacity + sum(cap for _, cap in others)
         if fleet_load < 1 + len(others) or own_capacity <= 0 or fleet_capacity <= 0:
-            b.smoothed_ms, b.quiet_since = None, None
+            b.smoothed_ms, b.quiet_since, b.evidence = None, None, 0.0
             return
         own = own_load / own_capacity
-        share = _level(own, [(own_load, own_capacity), *others]) * own_capacity
-        ratio = own / (fleet_load / fleet_capacity)
         room = fleet_capacity - own_capacity
+        share = (_level(own, others) if room > 0 else own) * own_capacity
+        ratio = own / (fleet_load / fleet_capacity)
         free = sum(max(0.0, cap - load) for load, cap in others) / room if room > 0 else 0.0
         if b.smoothed_ms is None:
             b.load, b.share, b.ratio, b.free, b.step_load = own_load, share, ratio, free, own_load
@@ -160,13 +183,21 @@ class Shedding:
             b.quiet_since = now_ms
         if now_ms - b.stepped_ms < _STEP_MS:
             return
-        mark = (1 + self.epsilon) * b.share + _NOISE * math.sqrt(b.share)
+        mark = (1 + self.epsilon) * b.share
+        if b.share > 0:
+            z = (b.load - mark) / math.sqrt(b.share) - _SLACK
+            b.evidence = min(_EVIDENCE, max(0.0, b.evidence + z))
         excess = (b.load - mark) / b.share if b.share > 0 else 0.0
         most = 1.0 if b.free >= _ROOM else max(b.width, GUESTS)
-        if excess > 0 and own_load > _DRAINING * b.step_load and b.width < most:
-            b.width = min(most, b.width + min(_MAX_STEP, max(_MIN_STEP, _GAIN * excess)))
+        draining = own_load <= max(mark, _DRAINING * b.step_load)
+        if b.evidence >= _EVIDENCE and excess > 0 and not draining and b.width < most:
+            width = b.width + min(_MAX_STEP, max(_MIN_STEP, _GAIN * excess))
+            if b.start == 0 and b.width < GUESTS:
+                width = min(width, GUESTS)
+            b.width = min(most, width)
+            b.evidence = _EVIDENCE - _SPENT
         elif b.quiet_since is not None and now_ms - b.quiet_since >= _QUIET_MS and b.width > 0:
-            back = min(_RETURN, b.width)
+            back = min(b.width, max(_RETURN, _RETURN_GAIN * (_LOW - b.ratio) / _LOW))
             b.start, b.width = (b.start + back) % 1.0, b.width - back
             if b.width <= 0:
                 b.start = 0.0
