@@ -180,6 +180,16 @@ def test_the_recent_pace_ranks_before_the_window_p99() -> None:
     assert counts == {"a": 300}
 
 
+def test_a_slower_peer_is_one_of_the_choices_as_often_as_its_rate_says() -> None:
+    # Four busy peers and an idle one at half their speed, which wins whenever it is
+    # drawn: its share is how often it is one of the two choices. Drawn by its rate (half
+    # a full one's), 1 - (4/4.5)(3/3.5) = 0.24; by its batch alone it would be 0.4, and a
+    # slow peer would fill up whenever its partner is busier.
+    busy = [figures(f"fast{i}", in_flight=8, pace_ms=20) for i in range(4)]
+    counts = picks(router([*busy, figures("slow", in_flight=0, pace_ms=40)]), 3000)
+    assert 0.21 < counts["slow"] / 3000 < 0.27
+
+
 def test_a_pause_between_bursts_keeps_a_peer_slow_for_a_window_only() -> None:
     # A second without streams has no pace: the last one shown holds for the probes'
     # window (10 s), then the peer is taken as typical again.
@@ -440,6 +450,11 @@ def test_this_node_passes_sessions_on_while_it_carries_more_than_its_share() -> 
     rows = [replace(x, is_self=x.node_id == "s0") for x in rows]
     r = router(rows)
     for t in range(1, 61):  # 6 s of updates: steps of the band, past its guests
+        r.update(rows, NOW + 100 * t)
+    # Until this node has answered a session, it has no sign of any to pass on.
+    assert r.band(model_id(MODEL)) == (0.0, 0.0)
+    for t in range(61, 121):
+        assert isinstance(r.best(MODEL, f"user-{t}", (), NOW + 100 * t), Decision)
         r.update(rows, NOW + 100 * t)
     start, width = r.band(model_id(MODEL))
     assert GUESTS + 0.1 < width < 1

@@ -59,14 +59,15 @@ def even(load: float, capacity: float, peers: int = 4) -> list[tuple[float, floa
 
 def run(shed: Shedding, seconds: float, own: float, capacity: float = 8.0, fleet: float = 40.0,
         fleet_capacity: float = 80.0, start: int = T0,
-        others: list[tuple[float, float]] | None = None) -> int:
+        others: list[tuple[float, float]] | None = None, guests: bool = True) -> int:
     """Steps every 100 ms, as the router's update does; returns the time reached."""
     if others is None:
         others = even(fleet - own, fleet_capacity - capacity)
     now = start
     for _ in range(round(seconds * 10)):
         now += 100
-        shed.step(MID, own, capacity, others, now)
+        shed.saw_session(MID, now)
+        shed.step(MID, own, capacity, others, now, guests)
     return now
 
 
@@ -85,6 +86,10 @@ def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
     assert widths == sorted(set(widths)) and widths[-1] < 1
     # The first step stops at the guests: what they carried leaves before its own sessions.
     assert widths[0] == GUESTS
+    # Unless it can hold none (no peer passes any on, none is gone).
+    alone = Shedding(0.15)
+    run(alone, 9.0, own=7, fleet=40, guests=False)
+    assert alone.band(MID)[1] > GUESTS
     # Growing the band moves only the sessions at its end.
     assert passed((0.0, widths[1])) <= passed((0.0, widths[2]))
 
@@ -108,6 +113,7 @@ def random_load(shed: Shedding, seconds: float, mean: float, seed: int) -> int:
             heapq.heappop(ends)
         now_ms += 100
         width = shed.band(MID)[1]
+        shed.saw_session(MID, now_ms)
         shed.step(MID, len(ends), 8, even(0.6 * 32, 32), now_ms)
         grown += shed.band(MID)[1] > width
     return grown
@@ -131,6 +137,7 @@ def test_a_draining_host_stops_growing_its_band() -> None:
     now, own = T0, 40.0
     for _ in range(100):
         now += 100
+        shed.saw_session(MID, now)
         shed.step(MID, own, 8, even(32, 72), now)
         own *= 0.985
     assert shed.band(MID)[1] <= 0.1
@@ -195,6 +202,22 @@ def test_sessions_come_back_first_in_first_out_after_a_long_quiet() -> None:
     assert passed((later_start, later_width)) < passed((start, width))
 
 
+def test_a_band_taken_back_in_part_grows_at_its_start_first() -> None:
+    shed = Shedding(0.15)
+    now = run(shed, 12, own=24, fleet=56)
+    now = run(shed, 24, own=1, fleet=40, start=now)
+    start, width = shed.band(MID)
+    assert GUESTS < start and width > 0
+    # Overloaded again: the guests and the sessions taken back last go first.
+    for _ in range(20):
+        if shed.band(MID)[1] > width:
+            break
+        now = run(shed, 1, own=24, fleet=56, start=now)
+    later_start, later_width = shed.band(MID)
+    assert later_start < start
+    assert later_start + later_width == pytest.approx(start + width)
+
+
 def test_an_idle_host_takes_its_sessions_back_sooner_than_a_quiet_one() -> None:
     idle, quiet = Shedding(0.15), Shedding(0.15)
     now = run(idle, 12, own=24, fleet=56)
@@ -210,17 +233,41 @@ def test_an_idle_host_takes_its_sessions_back_sooner_than_a_quiet_one() -> None:
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 500), st.floats(0, 64),
                           st.lists(st.tuples(st.floats(0, 500), st.floats(0, 64)), max_size=8),
-                          st.integers(0, 5000)),
+                          st.integers(0, 5000), st.booleans()),
                 max_size=60))
 def test_band_stays_on_the_circle(
-        steps: list[tuple[float, float, list[tuple[float, float]], int]]) -> None:
+        steps: list[tuple[float, float, list[tuple[float, float]], int, bool]]) -> None:
     shed = Shedding(0.15)
     now = T0
-    for own, capacity, others, dt in steps:
+    for own, capacity, others, dt, sessions in steps:
         now += dt
+        if sessions:
+            shed.saw_session(MID, now)
         shed.step(MID, own, capacity, others, now)
         start, width = shed.band(MID)
         assert 0 <= start < 1 and 0 <= width <= 1
+
+
+def test_without_sessions_a_band_neither_grows_nor_stays() -> None:
+    # Traffic without sessions (none answered here for _QUIET_MS): passing sessions on
+    # cannot lower the load, so a band grown now would only be waiting, too wide, for
+    # the sessions to come back.
+    shed = Shedding(0.15)
+    now = T0
+    for _ in range(200):
+        now += 100
+        shed.step(MID, 24, 8, even(32, 72), now)
+    assert shed.band(MID) == (0.0, 0.0)
+    # A band grown while sessions came is given back once they stop, first in first out.
+    now = run(shed, 12, own=24, fleet=56, start=now)
+    assert shed.band(MID)[1] > 0.2
+    starts = []
+    for _ in range(320):
+        now += 100
+        shed.step(MID, 24, 8, even(32, 72), now)
+        starts.append(shed.band(MID)[0])
+    assert shed.band(MID) == (0.0, 0.0)
+    assert max(starts) > 0.2
 
 
 def test_bands_of_models_no_longer_served_are_forgotten() -> None:

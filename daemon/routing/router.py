@@ -17,9 +17,9 @@ The choice (docs/routing.md has the reasoning and the measurements):
    while it carries more than its share (shed.py), so that every host makes the same
    walk; where every usable peer passes it on, spill().
 4. Otherwise (or when no ring peer is usable): d peers drawn with probability
-   proportional to their effective capacity (what the peer has shown it runs at once,
-   times degraded_weight or overloaded_weight, times the slow-start ramp), and the one
-   with the lowest cost wins:
+   proportional to their effective rate (their effective capacity over their pace), and
+   the one with the lowest cost wins; the effective capacity is what the peer has shown
+   it runs at once, times degraded_weight or overloaded_weight, times the slow-start ramp:
 
        cost = (load + 1) * pace / (effective capacity * success)
 
@@ -177,6 +177,8 @@ class Router:
             return (p.node_id not in excluded and p.fresh(now_ms, self._freshness_ms)
                     and p.breaker.allows(now_ms))
 
+        if session is not None:
+            self.shedding.saw_session(entry.model_id, now_ms)
         if session is not None and entry.candidates:
             by_ring = self._by_session(entry, session, usable)
             if by_ring is not None:
@@ -187,7 +189,7 @@ class Router:
                 return False
             # Slow start on the fast path: a ramping peer is kept with probability equal
             # to its ramp, which scales its sampling weight by it.
-            ramp = c.peer.ramp(now_ms, self._ramp_ms, self.config.slow_start_floor)
+            ramp = self._ramp(c, now_ms)
             return ramp >= 1.0 or self._rng.random() < ramp
 
         drawn = entry.table.draw(self._rng, self._draw, accept, self._draw * _TRIES_PER_PICK)
@@ -224,8 +226,11 @@ class Router:
             mid = self._ids[name] = model_id(name)
         return mid
 
+    def _ramp(self, c: Candidate, now_ms: int) -> float:
+        return c.peer.ramp(now_ms, self._ramp_ms, self.config.slow_start_floor)
+
     def _effective_capacity(self, c: Candidate, now_ms: int) -> float:
-        return c.weight * c.peer.ramp(now_ms, self._ramp_ms, self.config.slow_start_floor)
+        return c.weight * self._ramp(c, now_ms)
 
     def _cost(self, c: Candidate, share: float, now_ms: int) -> float:
         return ((c.peer.load(share) + 1) * c.service_ms
@@ -243,7 +248,11 @@ class Router:
             served.add(mid)
             others = [(c.peer.in_flight, c.capacity) for c in entry.candidates
                       if c is not own and c.peer.fresh(now_ms, self._freshness_ms)]
-            self.shedding.step(mid, own.peer.in_flight, own.capacity, others, now_ms)
+            # Guests come from a peer that passes sessions on, or from one gone (known,
+            # on the ring, but no candidate).
+            guests = (len(entry.known) > len(entry.candidates)
+                      or any(c.band[1] > 0 for c in entry.candidates if c is not own))
+            self.shedding.step(mid, own.peer.in_flight, own.capacity, others, now_ms, guests)
         self.shedding.forget_except(served)
 
     def _by_session(self, entry: ModelCandidates, session: str,
@@ -295,7 +304,7 @@ class Router:
             tiers[0 if p.fresh(now_ms, self._freshness_ms) else 1].append(c)
         for tier, reason in zip(tiers, _TIER_REASONS, strict=True):
             if tier:
-                weights = [self._effective_capacity(c, now_ms) for c in tier]
+                weights = [c.rate * self._ramp(c, now_ms) for c in tier]
                 return draw_exact(self._rng, tier, weights, self._draw), reason
         return [], ""
 

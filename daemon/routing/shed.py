@@ -45,8 +45,14 @@ one counted at this one's), the host's share is that level times its slots:
   working, and what still counts against the host is the queue they left, which only
   time drains. Small steps, each given time to show: a step that shows only after the
   next has been taken overshoots, and every host then passes everything on. A band that
-  grows from 0 stops at the guests for a step: what they carried leaves before any of
-  its own sessions do.
+  grows from 0 stops at the guests for a step, where the host may hold any (another peer
+  passes sessions on, or one is gone): what they carried leaves before any of its own
+  sessions do. Where it holds none, the step would only lose 2 s. A band whose start has
+  moved on (sessions taken back) grows at its start first, down to 0: the guests, and the
+  sessions taken back last, go before any of its own beyond the end (grown at the end, in
+  a fleet bench run, a band taken back from [0, 0.82) to [0.10, 0.82) grew to
+  [0.10, 0.99) after a host was lost: its own sessions went, none of the guests the loss
+  sent it).
 - While the other candidates have less than _ROOM of their slots free (a host lost, a
   surge), the band grows no further than the guests: they queue too, so a session of its
   own moved there moves its queue rather than shortening it, and costs its prefix cache,
@@ -70,7 +76,16 @@ Against the fleet's mean load per slot:
   session's requests stayed on its host). An empty band starts from 0 again.
 
 With less than one request in flight per candidate the comparison says nothing: the band
-holds.
+holds. While this host has answered no request of a session for _QUIET_MS, it neither
+grows nor keeps its band: it gives it back by _RETURN_GAIN every _STEP_MS. Passing
+sessions on cannot lower a load that has none, so a band grown on it is only a band too
+wide when sessions come: in the fleet bench, the runs at 95% and the slowdown (no
+sessions) left h5 passing on all of its sessions, and the sessions run after them began
+with h5 idle, its sessions overloading the next hosts, whose bands grew in turn (83% of a
+session's requests on its host, 69% of the others' moved after the kill). Each host sees
+a sample of the fleet's sessions, as an entry for its own clients; a fleet whose session
+traffic enters at a few hosts only keeps its sessions on the others' hosts, overloaded or
+not.
 """
 
 from __future__ import annotations
@@ -144,6 +159,11 @@ class Shedding:
     def __init__(self, epsilon: float) -> None:
         self.epsilon = epsilon
         self._bands: dict[int, _Band] = {}
+        self._sessions_ms: dict[int, int] = {}
+
+    def saw_session(self, model_id: int, now_ms: int) -> None:
+        """This host answered a request of a session for the model."""
+        self._sessions_ms[model_id] = now_ms
 
     def band(self, model_id: int) -> tuple[float, float]:
         b = self._bands.get(model_id)
@@ -152,12 +172,21 @@ class Shedding:
     def forget_except(self, model_ids: set[int]) -> None:
         for gone in self._bands.keys() - model_ids:
             del self._bands[gone]
+        for gone in self._sessions_ms.keys() - model_ids:
+            del self._sessions_ms[gone]
 
     def step(self, model_id: int, own_load: float, own_capacity: float,
-             others: Sequence[tuple[float, float]], now_ms: int) -> None:
+             others: Sequence[tuple[float, float]], now_ms: int, guests: bool = True) -> None:
         """own_load, own_capacity: this host's in flight and slots; others: the same for
-        each other candidate of the model."""
+        each other candidate of the model; guests: whether this host may hold any (another
+        peer passes sessions on, or one is gone)."""
         b = self._bands.setdefault(model_id, _Band(stepped_ms=now_ms))
+        if now_ms - self._sessions_ms.get(model_id, now_ms - _QUIET_MS - 1) > _QUIET_MS:
+            b.smoothed_ms, b.quiet_since, b.evidence = None, None, 0.0
+            if now_ms - b.stepped_ms >= _STEP_MS:
+                _give_back(b, _RETURN_GAIN)
+                b.stepped_ms, b.step_load = now_ms, own_load
+            return
         fleet_load = own_load + sum(load for load, _ in others)
         fleet_capacity = own_capacity + sum(cap for _, cap in others)
         if fleet_load < 1 + len(others) or own_capacity <= 0 or fleet_capacity <= 0:
@@ -191,14 +220,22 @@ class Shedding:
         most = 1.0 if b.free >= _ROOM else max(b.width, GUESTS)
         draining = own_load <= max(mark, _DRAINING * b.step_load)
         if b.evidence >= _EVIDENCE and excess > 0 and not draining and b.width < most:
-            width = b.width + min(_MAX_STEP, max(_MIN_STEP, _GAIN * excess))
-            if b.start == 0 and b.width < GUESTS:
+            width = min(most, b.width + min(_MAX_STEP, max(_MIN_STEP, _GAIN * excess)))
+            if guests and b.start == 0 and b.width < GUESTS:
                 width = min(width, GUESTS)
-            b.width = min(most, width)
+            # Below a start above 0 are the guests and the sessions taken back last: they
+            # go before any of its own beyond the end.
+            back = min(width - b.width, b.start)
+            b.start, b.width = b.start - back, width
             b.evidence = _EVIDENCE - _SPENT
-        elif b.quiet_since is not None and now_ms - b.quiet_since >= _QUIET_MS and b.width > 0:
-            back = min(b.width, max(_RETURN, _RETURN_GAIN * (_LOW - b.ratio) / _LOW))
-            b.start, b.width = (b.start + back) % 1.0, b.width - back
-            if b.width <= 0:
-                b.start = 0.0
+        elif b.quiet_since is not None and now_ms - b.quiet_since >= _QUIET_MS:
+            _give_back(b, max(_RETURN, _RETURN_GAIN * (_LOW - b.ratio) / _LOW))
         b.stepped_ms, b.step_load = now_ms, own_load
+
+
+def _give_back(b: _Band, share: float) -> None:
+    """Takes back the first `share` of the band: the sessions passed on first."""
+    back = min(b.width, share)
+    b.start, b.width = (b.start + back) % 1.0, b.width - back
+    if b.width <= 0:
+        b.start, b.width = 0.0, 0.0
