@@ -267,8 +267,8 @@ class Candidate:
         # before slow start (build() sets it once the paces compare). Drawn by capacity
         # alone, a peer at half the speed is one of the d choices as often as a full-speed
         # one with its batch, and it wins whenever its partner is busier: in the fleet
-        # bench it held 6.4 requests on average on its 8 slots where the oracle kept 4.2,
-        # a cost 1.5 times the others'.
+        # bench it held 6.3-6.4 requests on its 8 slots when one was sent to it, where the
+        # oracle kept 4.1-4.2, a cost 1.5 times the others'.
         self.rate = weight
         # The share of its answers to the model that succeed: a request sent to a peer
         # rejecting half of them costs two sends.

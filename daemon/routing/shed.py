@@ -181,7 +181,8 @@ class Shedding:
         each other candidate of the model; guests: whether this host may hold any (another
         peer passes sessions on, or one is gone)."""
         b = self._bands.setdefault(model_id, _Band(stepped_ms=now_ms))
-        if now_ms - self._sessions_ms.get(model_id, now_ms - _QUIET_MS - 1) > _QUIET_MS:
+        seen = self._sessions_ms.get(model_id)
+        if seen is None or now_ms - seen > _QUIET_MS:
             b.smoothed_ms, b.quiet_since, b.evidence = None, None, 0.0
             if now_ms - b.stepped_ms >= _STEP_MS:
                 _give_back(b, _RETURN_GAIN)
