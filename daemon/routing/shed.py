@@ -234,9 +234,9 @@ class Shedding:
         b.stepped_ms, b.step_load = now_ms, own_load
 
 
-def _give_back(b: _Band, share: float) -> None:
-    """Takes back the first `share` of the band: the sessions passed on first."""
-    back = min(b.width, share)
+def _give_back(b: _Band, part: float) -> None:
+    """Takes back the first `part` of the band: the sessions passed on first."""
+    back = min(b.width, part)
     b.start, b.width = (b.start + back) % 1.0, b.width - back
     if b.width <= 0:
         b.start, b.width = 0.0, 0.0
