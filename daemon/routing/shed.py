@@ -131,7 +131,7 @@ class _Band:
     start: float = 0.0
     width: float = 0.0
     load: float = 0.0           # smoothed in flight
-    share: float = 0.0          # smoothed in flight at the fleet's level (_level)
+    share: float = 0.0          # smoothed in flight at the others' level (_level)
     ratio: float = 1.0          # smoothed load per slot over the fleet's mean
     free: float = 1.0           # smoothed share of the other candidates' slots free
     step_load: float = 0.0      # in flight at the last step
