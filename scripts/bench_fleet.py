@@ -34,7 +34,9 @@ share of the requests in flight (time-averaged) over its share of the fleet's ba
 holds each request twice as long and, equally busy, takes half as many), and after the kill,
 how much of the other hosts' sessions moved and when h3 was last named. Run without
 --loads, the sessions run follows --warmup seconds of loadmesh without sessions, so that
-the agents have learnt each host's batch and pace as they have in the full bench.
+the agents have learnt each host's batch and pace as they have in the full bench. The
+agents run the shipped defaults; --agent-toml appends TOML to each one's configuration, to
+measure a setting on the same fleet and arrivals (docs/routing.md: the snapshot tick).
 
 Needs root. `make bench-fleet` runs it; the first run installs sglang-router into
 /var/tmp/loadmesh-sglang. Everything is stopped and the namespaces removed on every exit.
@@ -274,6 +276,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=20, metavar="S",
                     help="with --sessions and no --loads, S seconds of loadmesh at 80%% first")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--agent-toml", default="", metavar="TOML",
+                    help="appended to every agent's configuration, to try a setting against "
+                         "the shipped defaults (e.g. $'[load]\\ntick_ms = 250')")
     ap.add_argument("--json", metavar="FILE", help="also write every result as JSON")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -286,9 +291,11 @@ def main() -> int:
     if sglang is None and "sglang" in policies:
         policies.remove("sglang")
     loads = [float(x) for x in args.loads.split(",") if x]
-    out: dict[str, Any] = {"hosts": [h.__dict__ for h in HOSTS], "runs": []}
+    out: dict[str, Any] = {"hosts": [h.__dict__ for h in HOSTS], "agent_toml": args.agent_toml,
+                           "runs": []}
     with tempfile.TemporaryDirectory(prefix="lm-fleet-") as tmp, \
-            fleet(HOSTS, Path(tmp)) as f, contextlib.ExitStack() as stack:
+            fleet(HOSTS, Path(tmp), extra_toml=args.agent_toml) as f, \
+            contextlib.ExitStack() as stack:
         if sglang is not None:
             stack.enter_context(started([
                 str(sglang), "-m", "sglang_router.launch_router", "--host", f.client.v4,
@@ -310,6 +317,8 @@ def main() -> int:
               f"({', '.join(f'{h.name} {h.slots}x{h.step_ms:g}ms' for h in HOSTS)}; "
               f"{total:.0f} tokens/s in all), {args.seconds:g} s per run, "
               f"{STREAMED:.0%} streamed, {os.cpu_count()} CPUs")
+        if args.agent_toml:
+            print("agents' configuration beyond the defaults: " + " ".join(args.agent_toml.split()))
         capacity = capacity_rps(HOSTS, args.seed)
         for load in loads:
             rate = load * capacity

@@ -198,9 +198,11 @@ def inside(ns: nettopo.Netns) -> Iterator[None]:
         os.close(home)
 
 
-def agent_config(host: Host, node: nettopo.MeshNode, seed: str, work: Path) -> Path:
+def agent_config(host: Host, node: nettopo.MeshNode, seed: str, work: Path,
+                 extra_toml: str = "") -> Path:
     """Shipped defaults but for the addresses: no static_models (each agent learns its
-    server's models from its /v1/models), no tuning."""
+    server's models from its /v1/models), no tuning but extra_toml (tables other than the
+    ones written here), appended as is."""
     path = work / f"{host.name}.toml"
     path.write_text(
         f'node_id = "{host.name}"\nstate_dir = "{work / ("state-" + host.name)}"\n'
@@ -208,7 +210,7 @@ def agent_config(host: Host, node: nettopo.MeshNode, seed: str, work: Path) -> P
         f'[api]\nsocket = "{work / (host.name + ".sock")}"\n'
         f'[probes]\ninterfaces = ["{node.ifname}"]\nports = [{PORT}]\nrequired = true\n'
         f'[gossip]\nbind = "{node.v4}:{GOSSIP_PORT}"\nseeds = ["{seed}:{GOSSIP_PORT}"]\n'
-        f'[metrics]\nlisten = ""\n')
+        f'[metrics]\nlisten = ""\n' + extra_toml)
     return path
 
 
@@ -288,7 +290,8 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def fleet(hosts: Sequence[Host], work: Path, prefix: str = "lmf") -> Iterator[Fleet]:
+def fleet(hosts: Sequence[Host], work: Path, prefix: str = "lmf",
+          extra_toml: str = "") -> Iterator[Fleet]:
     hosts = tuple(hosts)
     with nettopo.bridge_mesh(len(hosts) + 1, prefix) as nodes, contextlib.ExitStack() as stack:
         client, host_nodes = nodes[0], nodes[1:]
@@ -303,7 +306,7 @@ def fleet(hosts: Sequence[Host], work: Path, prefix: str = "lmf") -> Iterator[Fl
                 work / f"{host.name}-server.log")))
         wait_for(lambda: all(answers(u + "/health") for u in urls), 30, "the servers")
         for host, node in zip(hosts, host_nodes):
-            conf = agent_config(host, node, host_nodes[0].v4, work)
+            conf = agent_config(host, node, host_nodes[0].v4, work, extra_toml)
             agents.append(stack.enter_context(started(
                 in_ns(node.ns, [LOADMESH, "agent", "--config", str(conf)]),
                 work / f"{host.name}-agent.log")))
