@@ -234,7 +234,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class LoadConfig:
-    tick_ms: int = _key(1000, _between(100, 60_000), "how often the snapshot is rebuilt")
+    tick_ms: int = _key(250, _between(100, 60_000), "how often the snapshot is rebuilt")
     heartbeat_ms: int = _key(5000, _between(500, 600_000),
                              "the version moves at least this often, changed or not")
     half_life_s: float = _key(3.0, _range(0.1, 600), "score smoothing: a sample's weight halves in this time")

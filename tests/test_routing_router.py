@@ -381,6 +381,46 @@ def test_a_slower_peer_holds_fewer_sessions_and_jitter_moves_none() -> None:
     assert ring_owners({"a": 22, "b": 19, "slow": 37}, 5) == owners
 
 
+def test_versions_with_a_pace_near_zero_move_no_session() -> None:
+    # A busy server writing a stream's events in bursts shows token gaps near 0: "slow" at
+    # 40 ms showing 0.1 ms for two versions must not look as fast as the others on the ring.
+    sessions = [f"user-{i}" for i in range(2000)]
+    paces = {"a": 20.0, "b": 20.0, "slow": 40.0}
+    r = router([figures(p, pace_ms=paces[p]) for p in paces])
+    for v in range(2, 6):
+        r.update([figures(p, pace_ms=paces[p], version=v) for p in paces], NOW)
+    before = session_owners(r, sessions)
+    for v in range(6, 8):
+        r.update([figures(p, pace_ms=0.1 if p == "slow" else paces[p], version=v) for p in paces],
+                 NOW)
+        assert session_owners(r, sessions) == before
+
+
+def test_on_the_ring_a_batch_within_a_step_of_the_largest_counts_as_the_largest() -> None:
+    # "c" queues having run 6 streams at most: a full 8-slot host whose batch holds
+    # non-streamed requests shows as much, and no session moves for it. "half" queues at 4
+    # of 8: it is the smaller host, and holds about half as many sessions.
+    sessions = [f"user-{i}" for i in range(2000)]
+
+    def rows(version: int, queueing: bool) -> list[PeerInput]:
+        out = [figures(p, version=version, in_flight=8, running=8, ttft_p99_ms=50, pace_ms=20)
+               for p in ("a", "b")]
+        for p, running in (("c", 6), ("half", 4)):
+            out.append(figures(p, version=version, in_flight=running + 5 * queueing,
+                               running=running, waiting=5 * queueing,
+                               ttft_p99_ms=1000 if queueing else 50, pace_ms=20))
+        return out
+
+    r = router(rows(1, False))
+    even = session_owners(r, sessions)
+    r.update(rows(2, True), NOW)
+    after = session_owners(r, sessions)
+    assert {s for s in sessions if after[s] != even[s]} == {s for s in sessions if even[s] == "half"
+                                                             and after[s] != "half"}
+    held = Counter(after.values())
+    assert 0.35 < held["half"] / held["a"] < 0.7, held
+
+
 def test_a_peer_passes_on_the_sessions_in_its_band_and_every_host_agrees() -> None:
     sessions = [f"user-{i}" for i in range(400)]
     rows = [row(p, in_flight=5) for p in SESSION_PEERS]

@@ -35,8 +35,15 @@ _QUEUED = 4.0
 # How long a peer's last decode pace stands for it while it streams nothing: the probes'
 # window.
 _PACE_MEMORY_MS = 10_000
-# Per version, the share of a new pace that the steady pace takes.
-_STEADY = 0.2
+# The steady pace is the median of the last _STEADY_VERSIONS versions' paces. A second in
+# which a busy server wrote a stream's events in bursts shows gaps near 0: in the fleet
+# bench, as 300 sessions began at once, an average over versions (0.2 of each new pace)
+# took the slow host from 41 to 12 ms within 0.6 s (versions showing 3.5 ms or less,
+# where it decodes at 40); its ring weight doubled, came back in three steps, and each
+# step moved sessions. Bounding each version's pace to a doubling of the average instead
+# kept a first pace caught in such a burst for some 20 versions: the slow host weighed as
+# a fast one and took the busiest session.
+_STEADY_VERSIONS = 9
 # The sessions' ring weighs a peer by what it serves, capacity over steady pace, in steps
 # of sqrt(2) below the model's largest peer (a weight moves a session only when it changes
 # a step), and at least 1/8 of it.
@@ -125,9 +132,9 @@ class PeerState:
     snapshots, its circuit, what it has shown it can run at once, and this node's own
     traffic to it since that snapshot."""
 
-    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "steady", "slots",
-                 "queued", "ttft_floor_ms", "snapshot", "taken_ms", "since_ms", "alive", "is_self",
-                 "in_flight", "overloaded")
+    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "recent", "steady",
+                 "slots", "queued", "ttft_floor_ms", "snapshot", "taken_ms", "since_ms", "alive",
+                 "is_self", "in_flight", "overloaded")
 
     def __init__(self, row: PeerInput, now_ms: int, config: RoutingConfig) -> None:
         self.node_id = row.node_id
@@ -140,10 +147,11 @@ class PeerState:
         self.service_ms: dict[int, float] = {}
         # Per model_id: the last decode pace its snapshots showed, and when (now_ms).
         self.paces: dict[int, tuple[float, int]] = {}
-        # Per model_id: log2 of its decode pace, averaged over its versions (_STEADY per
-        # version): the sessions' ring weighs peers by it, and must not change with every
-        # second's jitter. Per version, not per second, so that every host holding the
-        # same versions computes the same figure.
+        # Per model_id: log2 of its decode pace over its last versions, and their median:
+        # the sessions' ring weighs peers by it, and must not change with every second's
+        # jitter. Per version, not per second, so that every host holding the same
+        # versions computes the same figure.
+        self.recent: dict[int, deque[float]] = {}
         self.steady: dict[int, float] = {}
         # The most streams seen running at once; whether the peer has been seen queueing
         # (then slots is its batch); the lowest time to first token it has shown.
@@ -197,10 +205,9 @@ class PeerState:
         for m in snap.models:
             if m.pace_ms > 0:
                 self.paces[m.model_id] = (m.pace_ms, now_ms)
-                old_log = self.steady.get(m.model_id)
-                new_log = math.log2(m.pace_ms)
-                self.steady[m.model_id] = (new_log if old_log is None
-                                           else old_log + _STEADY * (new_log - old_log))
+                recent = self.recent.setdefault(m.model_id, deque(maxlen=_STEADY_VERSIONS))
+                recent.append(math.log2(m.pace_ms))
+                self.steady[m.model_id] = statistics.median(recent)
             if m.rps > 0 and m.p50_ms > 0 and m.error_ratio <= config.error_ratio_threshold:
                 old = self.service_ms.get(m.model_id)
                 self.service_ms[m.model_id] = (
@@ -226,15 +233,24 @@ class PeerState:
         return 1.0 if self.since_ms is None else ramp(now_ms, self.since_ms, window_ms, floor)
 
 
-def _capacity(peer: PeerState, reference: int) -> float:
+def _capacity(peer: PeerState, reference: int, ring: bool = False) -> float:
     """How many requests the peer serves at once: its batch where it has queued; where it
     has not, at least the largest batch another candidate has shown (a peer that never
     queued while others did is not the smaller one; taken at what it has run so far, the
     first peers to get traffic would look bigger and bigger to every host, and the others
     would never get the chance to show more). At least its healthy GPUs (no stream seen
-    yet), and scaled down by the share of its GPUs that failed since."""
+    yet), and scaled down by the share of its GPUs that failed since.
+
+    For the ring, a batch within one of its steps of the largest counts as the largest. A
+    full host counts its non-streamed requests among its waiting (no byte of their answer
+    yet), so the most streams it has run at once reaches its batch only some time after
+    it first queues: with one request in five not streamed, an 8-slot host shows all 8
+    running in one snapshot of six. In the fleet bench, hosts of 8 slots were seen
+    queueing at 6, then showed 7 and 8, and each step of their ring weight moved sessions.
+    A batch of half the largest is still the step below."""
     snap = peer.snapshot
-    slots = peer.slots if peer.queued else max(peer.slots, reference)
+    near = ring and peer.slots * 2 ** (1 / _RING_STEPS_PER_DOUBLING) >= reference
+    slots = peer.slots if peer.queued and not near else max(peer.slots, reference)
     if not snap.gpus:
         return float(max(1, slots))
     healthy = sum(g.healthy for g in snap.gpus)
@@ -391,7 +407,7 @@ def ring_points(model_id: int, peers: Sequence[PeerState], reference: int,
     (shed.py). Only what the snapshots say enters, so every host builds the same ring."""
     paces = {p.node_id: p.steady[model_id] for p in peers if model_id in p.steady}
     typical = statistics.median(paces.values()) if paces else 0.0
-    rates = {p.node_id: _capacity(p, reference) / 2 ** paces.get(p.node_id, typical)
+    rates = {p.node_id: _capacity(p, reference, ring=True) / 2 ** paces.get(p.node_id, typical)
              for p in peers}
     top = max(rates.values(), default=0.0)
     out = {}

@@ -88,7 +88,9 @@ class SimConfig:
     warmup_s: float = 30.0
     burst: float = 0.3                # arrival rate x (1 + burst) in bursts, x (1 - burst) in lulls
     burst_mean_s: float = 5.0         # mean length of a burst (and of the lull after it)
-    tick_s: float = 1.0               # the agent's snapshot tick
+    # The snapshot tick: the agent's was 1 s when docs/routing.md's simulated figures were
+    # measured (250 ms since).
+    tick_s: float = 1.0
     window_s: float = 10.0            # the probes' percentile window
     gossip_delay_s: tuple[float, float] = (0.5, 2.0)
     tokens_per_request: int = 64  # output tokens of each answer, for the score's queue
