@@ -26,7 +26,7 @@ from daemon.routing.simulator import LOADS, ServerKind, SimConfig, goal_checks, 
 BENCH_FLEET = SimConfig(
     fleet=(ServerKind("h1-h3", 3, 2, 1.0), ServerKind("h4", 1, 2, 0.5), ServerKind("h5", 1, 1, 1.0)),
     slots_per_gpu=4, mean_service_s=1.28, service_sigma=0.8, routers=5, burst=0.0,
-    gossip_delay_s=(0.1, 0.5), duration_s=300.0)
+    gossip_delay_s=(0.1, 0.5), duration_s=300.0, tick_s=0.25)
 
 
 def main() -> int:

@@ -88,8 +88,8 @@ class SimConfig:
     warmup_s: float = 30.0
     burst: float = 0.3                # arrival rate x (1 + burst) in bursts, x (1 - burst) in lulls
     burst_mean_s: float = 5.0         # mean length of a burst (and of the lull after it)
-    # The snapshot tick: the agent's was 1 s when docs/routing.md's simulated figures were
-    # measured (250 ms since).
+    # The snapshot tick. The agent's is 250 ms; 1 s here, as when docs/routing.md's figures
+    # for this 16-server fleet were measured (bench_routing.py --fleet-bench uses 250 ms).
     tick_s: float = 1.0
     window_s: float = 10.0            # the probes' percentile window
     gossip_delay_s: tuple[float, float] = (0.5, 2.0)
