@@ -132,8 +132,8 @@ class PeerState:
     snapshots, its circuit, what it has shown it can run at once, and this node's own
     traffic to it since that snapshot."""
 
-    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "recent", "steady",
-                 "slots", "queued", "ttft_floor_ms", "snapshot", "taken_ms", "since_ms", "alive",
+    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "recent", "slots",
+                 "queued", "ttft_floor_ms", "snapshot", "taken_ms", "since_ms", "alive",
                  "is_self", "in_flight", "overloaded")
 
     def __init__(self, row: PeerInput, now_ms: int, config: RoutingConfig) -> None:
@@ -147,12 +147,11 @@ class PeerState:
         self.service_ms: dict[int, float] = {}
         # Per model_id: the last decode pace its snapshots showed, and when (now_ms).
         self.paces: dict[int, tuple[float, int]] = {}
-        # Per model_id: log2 of its decode pace over its last versions, and their median:
-        # the sessions' ring weighs peers by it, and must not change with every second's
-        # jitter. Per version, not per second, so that every host holding the same
-        # versions computes the same figure.
+        # Per model_id: log2 of its decode pace in its last versions, whose median is its
+        # steady pace: the sessions' ring weighs peers by it, and must not change with
+        # every second's jitter. Per version, not per second, so that every host holding
+        # the same versions computes the same figure.
         self.recent: dict[int, deque[float]] = {}
-        self.steady: dict[int, float] = {}
         # The most streams seen running at once; whether the peer has been seen queueing
         # (then slots is its batch); the lowest time to first token it has shown.
         self.slots = 0
@@ -205,9 +204,8 @@ class PeerState:
         for m in snap.models:
             if m.pace_ms > 0:
                 self.paces[m.model_id] = (m.pace_ms, now_ms)
-                recent = self.recent.setdefault(m.model_id, deque(maxlen=_STEADY_VERSIONS))
-                recent.append(math.log2(m.pace_ms))
-                self.steady[m.model_id] = statistics.median(recent)
+                self.recent.setdefault(m.model_id, deque(maxlen=_STEADY_VERSIONS)).append(
+                    math.log2(m.pace_ms))
             if m.rps > 0 and m.p50_ms > 0 and m.error_ratio <= config.error_ratio_threshold:
                 old = self.service_ms.get(m.model_id)
                 self.service_ms[m.model_id] = (
@@ -405,7 +403,8 @@ def ring_points(model_id: int, peers: Sequence[PeerState], reference: int,
     half the batch, holds half as many, and at equal load per slot all queue alike. Dead
     and draining peers keep theirs, so that their sessions stay guests where they went
     (shed.py). Only what the snapshots say enters, so every host builds the same ring."""
-    paces = {p.node_id: p.steady[model_id] for p in peers if model_id in p.steady}
+    paces = {p.node_id: statistics.median(p.recent[model_id]) for p in peers
+             if model_id in p.recent}
     typical = statistics.median(paces.values()) if paces else 0.0
     rates = {p.node_id: _capacity(p, reference, ring=True) / 2 ** paces.get(p.node_id, typical)
              for p in peers}
