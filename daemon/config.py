@@ -206,7 +206,7 @@ class GossipConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    choices: int = _key(2, _between(1, 16), "d of the power of d choices")
+    choices: int = _key(3, _between(1, 16), "d of the power of d choices")
     alternatives: int = _key(2, _between(0, 16), "retry targets returned with each answer")
     epsilon: float = _key(0.15, _range(0.01, 10), "load per slot above the fleet's, as a fraction, "
                           "at which a host starts passing its sessions on")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,8 @@ class ProbesComponent:
         self._reader: Any = None
         self._poller: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._read_ms: int | None = None
+        self._on_read: list[Callable[[], None]] = []
         router.add("GET", "/v1/fingerprints", self._fingerprints)
 
     async def start(self) -> None:
@@ -77,6 +79,10 @@ class ProbesComponent:
         self._health = Health(State.DEGRADED, reason)
         log.warning("running without probes: %s", reason)
 
+    def on_read(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (on the event loop) after each read of the maps."""
+        self._on_read.append(callback)
+
     async def _poll(self) -> None:
         # The agent's view of its own queue and latencies is never older than this.
         period = POLL_S
@@ -84,9 +90,13 @@ class ProbesComponent:
             started = time.monotonic()
             try:
                 await asyncio.to_thread(self._reader.poll, started)
+                self._read_ms = int(started * 1000)
             except Exception:
                 # A failed read loses one poll's figures, not the agent's probes.
                 log.exception("reading the probe maps failed")
+            else:
+                for callback in self._on_read:
+                    callback()
             delay = max(0.0, period - (time.monotonic() - started))
             try:
                 await asyncio.wait_for(self._stopping.wait(), delay)
@@ -111,6 +121,12 @@ class ProbesComponent:
     def model_figures(self) -> Sequence[ModelFigures]:
         """This tick's figures per (model, serving port), for the snapshot."""
         return () if self._reader is None else self._reader.model_stats()
+
+    @property
+    def read_ms(self) -> int | None:
+        """When the maps behind model_figures() began to be read (time.monotonic, in ms);
+        None before the first read. Requests sent before then are in the figures."""
+        return self._read_ms
 
     def model_names(self) -> dict[int, str]:
         names = {} if self._reader is None else dict(self._reader.model_names())

@@ -29,6 +29,9 @@ log = logs.get("routing")
 # How often the candidate sets follow the table: fast next to the 500 ms gossip rounds,
 # cheap (about 0.2 ms for 100 peers).
 UPDATE_PERIOD_S = 0.1
+# How long after this agent's start the gossip has to fill its table (a join's full sync
+# takes a round trip; seeds that answer late, a few retries).
+DISCOVERY_MS = 10_000
 MAX_EXCLUDE = 64
 
 
@@ -69,10 +72,14 @@ class RoutingComponent:
         self.gossip = gossip
         self.snapshot = snapshot
         # Peers present at our start are not slow-started: a restart of this agent must not
-        # throttle the whole fleet. Joins and recoveries after that are.
+        # throttle the whole fleet. Joins and recoveries after that are. The table fills
+        # only as the gossip joins, so "present" is first seen within DISCOVERY_MS of the
+        # start: slow-started from the first update, the peers of a fresh or restarted
+        # agent all sat at a tenth of their weight for seconds, and it named itself for
+        # 40 /v1/best answers of 40 in tests/test_mesh.py.
         self._since: dict[str, int | None] = {}
         self._alive: dict[str, bool] = {}
-        self._first_update = True
+        self._started_ms: int | None = None
         self._task: asyncio.Task[None] | None = None
         # Answers given, for the exporter: (outcome "routed" or "no_peer", reason label),
         # and clients' feedback by outcome. Counted here, on the request path, because
@@ -86,6 +93,7 @@ class RoutingComponent:
         api.add("POST", "/v1/feedback", self._feedback)
 
     async def start(self) -> None:
+        self._started_ms = now_ms()
         self._update()
         self._task = asyncio.create_task(self._follow(), name="routing-update")
 
@@ -120,23 +128,29 @@ class RoutingComponent:
         now = now_ms()
         views = self.gossip.views()
         own = self.snapshot.current
+        confirmed = self.snapshot.confirmed_ms
+        # The table holds this node's snapshot at age 0, but its figures are as old as the
+        # probe read that last confirmed them: counted from now, this node's sends since
+        # would be forgotten on every update and it would take more than its share.
+        own_age = 0 if confirmed is None else max(0, now - confirmed)
         peers: list[PeerInput] = []
         for node_id, view in views.items():
             alive = view.state is not PeerState.DEAD
             if node_id not in self._since:
-                self._since[node_id] = None if self._first_update else now
+                joining = self._started_ms is not None and now - self._started_ms > DISCOVERY_MS
+                self._since[node_id] = now if joining else None
             elif alive and not self._alive.get(node_id, True):
                 self._since[node_id] = now  # recovered: ramp up again
             self._alive[node_id] = alive
-            peers.append(PeerInput(node_id, view.snapshot, alive, view.age_ms,
-                                   self._since[node_id], is_self=node_id == self.node_id))
+            is_self = node_id == self.node_id
+            peers.append(PeerInput(node_id, view.snapshot, alive, own_age if is_self else view.age_ms,
+                                   self._since[node_id], is_self=is_self))
         if self.node_id not in views and own is not None:
             # Before the gossip service runs (or without one), this node still routes to itself.
-            peers.append(PeerInput(self.node_id, own, True, 0, None, is_self=True))
+            peers.append(PeerInput(self.node_id, own, True, own_age, None, is_self=True))
         for gone in set(self._since) - set(views):
             del self._since[gone]
             self._alive.pop(gone, None)
-        self._first_update = False
         self.router.update(peers, now)
 
     def _best(self, request: Request) -> Response:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
@@ -23,7 +24,7 @@ from daemon.gpu_component import GpuComponent
 from daemon.health import OK, Health, State
 from daemon.http import Request, Response
 from daemon.model_list import ModelLister
-from daemon.probes_component import ProbesComponent
+from daemon.probes_component import POLL_S, ProbesComponent
 from daemon.score import ScoreConfig
 from daemon.snapshot_builder import SnapshotBuilder
 from daemon.snapshot_view import snapshot_json
@@ -90,6 +91,9 @@ class SnapshotComponent:
         self._lister: ModelLister | None = None
         self._listing: asyncio.Task[None] | None = None
         self._bands: Callable[[int], tuple[float, float]] | None = None
+        self._confirmed_ms: int | None = None
+        self._ticked = 0.0
+        probes.on_read(self._read)
         router.add("GET", "/v1/snapshot", self._get_snapshot)
         router.add("POST", "/v1/drain", lambda _: self._set_draining(True))
         router.add("POST", "/v1/undrain", lambda _: self._set_draining(False))
@@ -106,6 +110,14 @@ class SnapshotComponent:
     @property
     def current(self) -> LoadSnapshot | None:
         return None if self._builder is None else self._builder.published
+
+    @property
+    def confirmed_ms(self) -> int | None:
+        """When the figures that last confirmed `current` were measured (time.monotonic,
+        in ms): a tick that keeps the version says its figures are still within their
+        deadbands of what the probes read then. This node's router counts its own sends
+        after that moment on top of `current`, as it does for a peer's last heartbeat."""
+        return self._confirmed_ms
 
     @property
     def draining(self) -> bool:
@@ -172,11 +184,19 @@ class SnapshotComponent:
     def _endpoints(self) -> tuple[Endpoint, ...]:
         return tuple(Endpoint(self._host_name, port) for port in self.config.probes.ports)
 
+    def _read(self) -> None:
+        # A tick right after a read of the probe maps publishes figures a few milliseconds
+        # old rather than up to a poll old; the first read past most of a period ticks.
+        if time.monotonic() - self._ticked >= self.config.load.tick_ms / 1000 - POLL_S / 2:
+            self._wake.set()
+
     async def _run(self) -> None:
-        period = self.config.load.tick_ms / 1000
         while not self._stopping:
+            period = self.config.load.tick_ms / 1000
+            # With probes the reads tick, and the timer is the fallback where they stop.
+            slack = 0.0 if self.probes.read_ms is None else POLL_S
             try:
-                await asyncio.wait_for(self._wake.wait(), period)
+                await asyncio.wait_for(self._wake.wait(), period + slack)
             except TimeoutError:
                 pass
             self._wake.clear()
@@ -189,10 +209,13 @@ class SnapshotComponent:
 
     async def _tick(self) -> None:
         assert self._builder is not None
+        self._ticked = time.monotonic()
         gpus = await self.gpu.sample()
+        read_ms = self.probes.read_ms
         snap, changed, urgent = self._builder.build(
             self._host.sample(), gpus, self.probes.model_figures(), self.draining,
             self._lister.listed() if self._lister is not None else None, self._bands)
+        self._confirmed_ms = read_ms if read_ms is not None else time.monotonic_ns() // 1_000_000
         if changed:
             for publish in self._subscribers:
                 publish(snap, urgent)

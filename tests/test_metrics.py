@@ -278,7 +278,7 @@ def test_a_real_scrape_passes_promtool_and_counts_real_traffic(make_agent, run_d
         assert slow_sum is not None and 0.9 * 31 / 32 <= slow_sum < 1.5
         assert value(s, "loadmesh_component_state", component="probes", state="ok") == 1
         assert value(s, "loadmesh_route_decisions_total", outcome="routed",
-                     reason="power_of_two_choices") == 1
+                     reason="power_of_d_choices") == 1
         assert value(s, "loadmesh_route_decisions_total", outcome="no_peer",
                      reason="unknown_model") == 1
         agent.signal(signal.SIGTERM)

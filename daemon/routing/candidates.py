@@ -53,7 +53,7 @@ _RING_LEAST = 1 / 8
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    choices: int = 2                   # d of the d choices
+    choices: int = 3                   # d of the d choices
     alternatives: int = 2              # retry targets returned with each answer
     # Sessions' slack: this node passes sessions on while its load per slot is above
     # (1 + epsilon) x its model's fleet's (shed.py).

@@ -74,7 +74,7 @@ _ALL = {
     "circuit open": "all circuits open",
 }
 _Usable = Callable[[Candidate], bool]
-_TIER_REASONS = ("power of two choices", "stale view: no candidate has a fresh snapshot")
+_TIER_REASONS = ("power of d choices", "stale view: no candidate has a fresh snapshot")
 
 
 @dataclass(frozen=True)
