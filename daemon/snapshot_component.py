@@ -215,7 +215,7 @@ class SnapshotComponent:
         snap, changed, urgent = self._builder.build(
             self._host.sample(), gpus, self.probes.model_figures(), self.draining,
             self._lister.listed() if self._lister is not None else None, self._bands)
-        self._confirmed_ms = read_ms if read_ms is not None else time.monotonic_ns() // 1_000_000
+        self._confirmed_ms = read_ms if read_ms is not None else int(self._ticked * 1000)
         if changed:
             for publish in self._subscribers:
                 publish(snap, urgent)
