@@ -4,6 +4,7 @@ bridge); one client process asks the entry host's agent for every request, sends
 there and reports back. One run of open-loop arrivals, with events along it:
 
     0 s   three equal hosts             no host takes more than 60% of any 2 s bin
+                                        (of 20 requests or more)
     15 s  host c decodes 4x slower      within 5 s it gets less than its fair share
     25 s  c back to speed; b answers    b gets less than its fair share within 5 s; c,
           429 to everything             idle now, is chosen again within 10 s
@@ -64,7 +65,11 @@ def test_every_request_is_routed_and_answered_while_the_fleet_is_healthy(run: li
 
 
 def test_equal_hosts_no_host_takes_more_than_60_percent_of_a_2s_bin(run: list[dict[str, Any]]) -> None:
-    assert worst_bin(run, 0.0, SLOW_AT) <= 0.6
+    # Bins of at least 20 requests: at this load some bins hold 15, and 10 of 15 on one
+    # host is chance, not herding (2.6% of such bins by uniform choice; after the opening
+    # burst even the JSQ oracle puts 7 of the 2-4 s bin's 15 on one host). Herding puts
+    # a whole snapshot interval's requests on one host, in every bin.
+    assert worst_bin(run, 0.0, SLOW_AT, least=20) <= 0.6
     assert all(share(run, h.name, 0.0, SLOW_AT) > 0.2 for h in HOSTS)
 
 
