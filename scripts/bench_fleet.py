@@ -160,45 +160,64 @@ def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str) -> 
 
 class InFlight:
     """Each server's waiting + running, polled from a thread until stopped: the
-    time-averaged occupancy that the sessions' bound is about."""
+    time-averaged occupancy that the sessions' bound is about. A host dropped (killed)
+    counts no slots from then on."""
 
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], slots: list[int]) -> None:
         self.urls = urls
-        self.samples: list[tuple[float, list[int]]] = []
+        self.slots = slots
+        self.alive = [True] * len(urls)
+        self.samples: list[tuple[float, list[int | None]]] = []
         self._start = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
+    def drop(self, i: int) -> None:
+        self.alive[i] = False
+
     def _poll(self) -> None:
         while not self._stop.wait(0.25):
+            alive = list(self.alive)
             try:
-                stats = [get_json(u + "/stats") for u in self.urls]
+                stats = [get_json(u + "/stats") if up else None
+                         for u, up in zip(self.urls, alive, strict=True)]
             except OSError:
                 continue
             self.samples.append((time.monotonic() - self._start,
-                                 [st["waiting"] + st["running"] for st in stats]))
+                                 [None if st is None else st["waiting"] + st["running"]
+                                  for st in stats]))
 
-    def stop(self) -> list[float]:
-        """Each host's share of the fleet's requests in flight, averaged over time."""
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        return self._shares([counts for _, counts in self.samples])
 
-    def _shares(self, samples: list[list[int]]) -> list[float]:
-        sums = [sum(col) for col in zip(*samples)] or [0] * len(self.urls)
-        return [s / max(1, sum(sums)) for s in sums]
+    def occupancy(self, start: float, end_s: float) -> list[float]:
+        """Each host's share of the fleet's requests in flight over its share of the
+        slots, averaged over time, from monotonic `start` for end_s seconds."""
+        return self._occupancy([c for t, c in self.samples
+                                if t + self._start - start < end_s])
 
-    def timeline(self, weights: list[float], start: float, every_s: float = 5.0) -> str:
-        """Each host's share over its weight, per every_s seconds of the run that began at
-        monotonic `start` (by the clock: a round of polls takes longer than its 0.25 s
-        pause on 2 busy CPUs)."""
-        bins: dict[int, list[list[int]]] = {}
+    def _occupancy(self, samples: list[list[int | None]]) -> list[float]:
+        flight = [sum(c[i] or 0 for c in samples) for i in range(len(self.urls))]
+        slots = [sum(self.slots[i] for c in samples if c[i] is not None)
+                 for i in range(len(self.urls))]
+        return [f / max(1, sum(flight)) / (n / sum(slots)) if n else 0.0
+                for f, n in zip(flight, slots, strict=True)]
+
+    def timeline(self, start: float, every_s: float = 5.0) -> str:
+        """The occupancy per every_s seconds of the run that began at monotonic `start`
+        (by the clock: a round of polls takes longer than its 0.25 s pause on 2 busy
+        CPUs); "-" where the host was down."""
+        bins: dict[int, list[list[int | None]]] = {}
         for t, counts in self.samples:
             bins.setdefault(max(0, int((t + self._start - start) // every_s)), []).append(counts)
-        shares = [self._shares(bins[i]) for i in sorted(bins)]
-        return "\n".join(f"    {name}: " + " ".join(f"{c[i] / weights[i]:.2f}" for c in shares)
-                         for i, name in enumerate(HOST_NAMES))
+        shares = [self._occupancy(bins[i]) for i in sorted(bins)]
+        down = [[all(c[h] is None for c in bins[i]) for h in range(len(self.urls))]
+                for i in sorted(bins)]
+        return "\n".join(f"    {name}: " + " ".join("-" if d[h] else f"{o[h]:.2f}"
+                                                   for o, d in zip(shares, down, strict=True))
+                         for h, name in enumerate(HOST_NAMES))
 
 
 class Bands:
@@ -361,16 +380,17 @@ def main() -> int:
             plan = arrivals(0.8 * capacity, args.seconds, args.seed + 2, len(HOSTS), args.sessions)
             kill_at, killed = args.seconds / 2, 2
             f.reset()
-            flight, bands = InFlight(f.urls), Bands(f.sockets)
+            flight = InFlight(f.urls, [h.slots for h in HOSTS])
+            bands = Bands(f.sockets)
             load, start = f.start_load({"policy": "loadmesh", "arrivals": plan, "seed": args.seed})
             time.sleep(max(0.0, start + kill_at - time.monotonic()))
-            occupancy = flight.stop()
+            flight.drop(killed)
             f.kill(killed)
             rows = f.result(load, args.seconds + 600)
+            flight.stop()
             widths = bands.stop(start)
             fig = session_figures(rows, kill_at, HOSTS[killed].name)
-            slots = sum(h.slots for h in HOSTS)
-            over = {h.name: occ / (h.slots / slots) for h, occ in zip(HOSTS, occupancy)}
+            over = dict(zip(HOST_NAMES, flight.occupancy(start, kill_at), strict=True))
             out["runs"].append({"sessions": args.sessions, "kill_at": kill_at, "rows": rows,
                                 "figures": fig, "occupancy": over})
             print(f"\nsessions: {args.sessions} (Zipf), 80% load, loadmesh; {HOSTS[killed].name} "
@@ -385,8 +405,8 @@ def main() -> int:
                   f"{fig['moved_after_by_first_half']:.1%}); {HOSTS[killed].name} last named "
                   f"{fig['killed_last_s']:.1f} s after; {dict(fig['reasons'])}\n"
                   f"  share of its sessions each host passed on, every 5 s:\n{widths}\n"
-                  f"  share of the requests in flight / share of the slots, every 5 s:\n"
-                  f"{flight.timeline([h.slots / slots for h in HOSTS], start)}", flush=True)
+                  f"  share of the requests in flight / share of the slots (of the hosts "
+                  f"up), every 5 s:\n{flight.timeline(start)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out))
     return 0

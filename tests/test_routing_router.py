@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from daemon.routing import Decision, NoCandidate, PeerInput, Router, RoutingConfig
 from daemon.routing.p2c import OwnShare
-from daemon.routing.shed import GUESTS, passes_on
+from daemon.routing.shed import GUESTS, ORPHANS, Seat, passes_on
 from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
 from probes.model_id import model_id
 
@@ -429,7 +429,7 @@ def test_a_peer_passes_on_the_sessions_in_its_band_and_every_host_agrees() -> No
               if x.node_id == "s0" else x for x in rows]
     owners = session_owners(router(banded), sessions)
     mine = [s for s in sessions if home[s] == "s0"]
-    gone = {s for s in mine if passes_on(0.8, 0.5, "s0", s, True)}
+    gone = {s for s in mine if passes_on(0.8, 0.5, "s0", s, Seat.OWN)}
     assert 0 < len(gone) < len(mine)
     # Only s0's sessions in its band move, each to the next peer of its ring.
     assert {s for s in sessions if owners[s] != home[s]} == gone
@@ -481,6 +481,30 @@ def test_a_peer_passes_on_its_guests_before_its_own_sessions() -> None:
     assert all(owners[s] == home[s] for s in sessions if home[s] != "s3")
     orphans = [s for s in sessions if home[s] == "s3"]
     assert orphans and all(owners[s] != "s3" for s in orphans)
+
+
+def test_a_peer_passes_on_a_lost_peers_sessions_before_the_guests_of_live_ones() -> None:
+    # s3 dead, s1 passing on some of its own sessions: the others' bands over the
+    # orphans' part move on s3's sessions and keep the guests s1 passed on to them.
+    sessions = [f"user-{i}" for i in range(400)]
+    rows = [row(p, in_flight=5) for p in SESSION_PEERS]
+    home = session_owners(router(rows), sessions)
+
+    def band(x: PeerInput) -> tuple[float, float]:
+        return (GUESTS, 0.45) if x.node_id == "s1" else (0.0, ORPHANS)
+
+    lost = [replace(x, alive=False) if x.node_id == "s3" else
+            replace(x, snapshot=snapshot(x.node_id, in_flight=5, band=(GUESTS, 0.45)))
+            if x.node_id == "s1" else x for x in rows]
+    before = session_owners(router(lost), sessions)
+    banded = session_owners(router([replace(x, snapshot=snapshot(x.node_id, in_flight=5,
+                                                                  band=band(x)))
+                                    if x.alive else x for x in lost]), sessions)
+    guests = [s for s in sessions if home[s] == "s1" and before[s] != "s1"]
+    assert guests and all(banded[s] == before[s] for s in guests)
+    assert all(banded[s] == home[s] for s in sessions if home[s] not in ("s1", "s3"))
+    orphans = [s for s in sessions if home[s] == "s3" and before[s] != "s1"]
+    assert orphans and all(banded[s] != before[s] for s in orphans)
 
 
 def test_this_node_passes_sessions_on_while_it_carries_more_than_its_share() -> None:

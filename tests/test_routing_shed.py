@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.routing.shed import GUESTS, Shedding, coin, passes_on
+from daemon.routing.shed import GUESTS, ORPHANS, Seat, Shedding, coin, passes_on
 
 SESSIONS = [f"session-{i}" for i in range(4000)]
 MID = 1
@@ -20,36 +20,44 @@ T0 = 1_000_000
 def test_coin_is_stable_across_processes_and_spreads() -> None:
     # Every host must draw the same coin: no per-process salt.
     draw = 0xF038CA0B841509F9 / 2**64  # BLAKE2b-64 of "gpu-a\x1fsession-1"
-    assert coin("gpu-a", "session-1", True) == pytest.approx(GUESTS + draw * (1 - GUESTS))
-    assert coin("gpu-a", "session-1", False) == pytest.approx(draw * GUESTS)
-    own = [coin("gpu-a", s, True) for s in SESSIONS]
-    guest = [coin("gpu-a", s, False) for s in SESSIONS]
-    # A peer's own sessions draw in [GUESTS, 1), its guests in [0, GUESTS): a band growing
-    # from 0 reaches the guests first.
+    assert coin("gpu-a", "session-1", Seat.OWN) == pytest.approx(GUESTS + draw * (1 - GUESTS))
+    assert coin("gpu-a", "session-1", Seat.GUEST) == pytest.approx(
+        ORPHANS + draw * (GUESTS - ORPHANS))
+    assert coin("gpu-a", "session-1", Seat.ORPHAN) == pytest.approx(draw * ORPHANS)
+    own = [coin("gpu-a", s, Seat.OWN) for s in SESSIONS]
+    guest = [coin("gpu-a", s, Seat.GUEST) for s in SESSIONS]
+    orphan = [coin("gpu-a", s, Seat.ORPHAN) for s in SESSIONS]
+    # A band growing from 0 reaches a lost peer's sessions first, then the guests that
+    # live peers pass on, then the peer's own.
     half = (1 + GUESTS) / 2
-    assert all(GUESTS <= c < 1 for c in own) and all(0 <= c < GUESTS for c in guest)
+    assert all(0 <= c < ORPHANS for c in orphan) and all(ORPHANS <= c < GUESTS for c in guest)
+    assert all(GUESTS <= c < 1 for c in own)
     assert 0.45 < sum(c < half for c in own) / len(own) < 0.55
     # Independent per peer: a session passed on by one peer is not passed on by all.
-    other = [coin("gpu-b", s, True) for s in SESSIONS]
+    other = [coin("gpu-b", s, Seat.OWN) for s in SESSIONS]
     both = sum(a < half and b < half for a, b in zip(own, other, strict=True)) / len(SESSIONS)
     assert 0.2 < both < 0.3
 
 
 def test_band_wraps_around_the_circle_and_reaches_guests_first() -> None:
-    low = next(s for s in SESSIONS if coin("n", s, False) < 0.05)
-    high = next(s for s in SESSIONS if coin("n", s, True) > 0.95)
-    middle = next(s for s in SESSIONS if 0.4 < coin("n", s, True) < 0.8)
-    assert passes_on(0.9, 0.2, "n", low, False) and passes_on(0.9, 0.2, "n", high, True)
-    assert not passes_on(0.9, 0.2, "n", middle, True)
-    assert not passes_on(0.3, 0.0, "n", middle, True)
-    assert all(passes_on(0.3, 1.0, "n", s, True) for s in SESSIONS[:200])
-    assert all(passes_on(0.0, GUESTS, "n", s, False) and not passes_on(0.0, GUESTS, "n", s, True)
-               for s in SESSIONS[:200])
+    low = next(s for s in SESSIONS if coin("n", s, Seat.GUEST) < 0.07)
+    high = next(s for s in SESSIONS if coin("n", s, Seat.OWN) > 0.95)
+    middle = next(s for s in SESSIONS if 0.4 < coin("n", s, Seat.OWN) < 0.8)
+    assert passes_on(0.9, 0.2, "n", low, Seat.GUEST) and passes_on(0.9, 0.2, "n", high, Seat.OWN)
+    assert not passes_on(0.9, 0.2, "n", middle, Seat.OWN)
+    assert not passes_on(0.3, 0.0, "n", middle, Seat.OWN)
+    assert all(passes_on(0.3, 1.0, "n", s, Seat.OWN) for s in SESSIONS[:200])
+    some = SESSIONS[:200]
+    assert all(passes_on(0.0, GUESTS, "n", s, Seat.GUEST) for s in some)
+    assert not any(passes_on(0.0, GUESTS, "n", s, Seat.OWN) for s in some)
+    # The orphans' part alone: a lost peer's sessions go, the live peers' guests stay.
+    assert all(passes_on(0.0, ORPHANS, "n", s, Seat.ORPHAN) for s in some)
+    assert not any(passes_on(0.0, ORPHANS, "n", s, Seat.GUEST) for s in some)
 
 
-def passed(band: tuple[float, float]) -> set[tuple[str, bool]]:
-    """The sessions, own and guests, that a peer "n" with the band passes on."""
-    return {(s, own) for s in SESSIONS for own in (True, False) if passes_on(*band, "n", s, own)}
+def passed(band: tuple[float, float]) -> set[tuple[str, Seat]]:
+    """The sessions, in every seat, that a peer "n" with the band passes on."""
+    return {(s, seat) for s in SESSIONS for seat in Seat if passes_on(*band, "n", s, seat)}
 
 
 def even(load: float, capacity: float, peers: int = 4) -> list[tuple[float, float]]:
@@ -59,15 +67,17 @@ def even(load: float, capacity: float, peers: int = 4) -> list[tuple[float, floa
 
 def run(shed: Shedding, seconds: float, own: float, capacity: float = 8.0, fleet: float = 40.0,
         fleet_capacity: float = 80.0, start: int = T0,
-        others: list[tuple[float, float]] | None = None, guests: bool = True) -> int:
-    """Steps every 100 ms, as the router's update does; returns the time reached."""
+        others: list[tuple[float, float]] | None = None, gone: int = 0,
+        guests: bool = True) -> int:
+    """Steps every 100 ms, as the router's update does; returns the time reached.
+    gone, guests: how many peers are gone, whether another passes sessions on."""
     if others is None:
         others = even(fleet - own, fleet_capacity - capacity)
     now = start
     for _ in range(round(seconds * 10)):
         now += 100
         shed.saw_session(MID, now)
-        shed.step(MID, own, capacity, others, now, guests)
+        shed.step(MID, own, capacity, others, now, gone, guests)
     return now
 
 
@@ -76,17 +86,22 @@ def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
     # 3.7. The load does not fall (the test holds it), so the band keeps growing, step by
     # step, once the excess has lasted long enough not to be chance.
     shed = Shedding(0.15)
-    run(shed, 5.0, own=7, fleet=40)
+    run(shed, 5.0, own=7, fleet=40, gone=1)
     assert shed.band(MID) == (0.0, 0.0)
     widths = []
     now = T0 + 5000
     for _ in range(5):
-        now = run(shed, 4.0, own=7, fleet=40, start=now)
+        now = run(shed, 4.0, own=7, fleet=40, start=now, gone=1)
         widths.append(shed.band(MID)[1])
     assert widths == sorted(set(widths)) and widths[-1] < 1
-    # The first step stops at the guests: what they carried leaves before its own sessions.
-    assert widths[0] == GUESTS
-    # Unless it can hold none (no peer passes any on, none is gone).
+    # The first steps stop at the orphans, then at the guests: what they carried leaves
+    # before its own sessions, a lost peer's first.
+    assert widths[:2] == [ORPHANS, GUESTS]
+    # At the part it may hold only: no peer is gone, or none passes any on.
+    for held, first in (({}, GUESTS), ({"gone": 1, "guests": False}, ORPHANS)):
+        shed = Shedding(0.15)
+        run(shed, 9.0, own=7, fleet=40, **held)
+        assert shed.band(MID)[1] == first
     alone = Shedding(0.15)
     run(alone, 9.0, own=7, fleet=40, guests=False)
     assert alone.band(MID)[1] > GUESTS
@@ -157,6 +172,33 @@ def test_a_host_within_its_share_holds_its_band() -> None:
     # Too little in flight to compare (fewer than one request per candidate): hold.
     run(shed, 10, own=3, fleet=3, start=T0 + 30_000)
     assert shed.band(MID) == (0.0, 0.0)
+
+
+def test_a_host_with_room_takes_a_lost_peers_sessions_whatever_it_passed_on_before() -> None:
+    # A band grown for an overload, its start at 0: the host passes on every orphan. Once
+    # below its share, with no peer gone, the band holds (it is given back only after a
+    # long quiet); at the loss of a peer, the orphans' part goes, the rest stays.
+    shed = Shedding(0.15)
+    now = run(shed, 20.0, own=7, fleet=40, guests=False)
+    start, width = shed.band(MID)
+    assert start == 0 and width > GUESTS
+    now = run(shed, 4.0, own=2, fleet=40, start=now, guests=False)
+    assert shed.band(MID) == (0.0, width)
+    run(shed, 2.1, own=2, fleet=40, start=now, gone=1)
+    assert shed.band(MID) == pytest.approx((ORPHANS, width - ORPHANS))
+    # Above its share at the loss, it keeps passing them on.
+    busy = Shedding(0.15)
+    now = run(busy, 20.0, own=7, fleet=40, guests=False)
+    run(busy, 4.0, own=7, fleet=40, start=now, gone=1)
+    assert busy.band(MID)[0] == 0
+    # A band grown after the loss passed the orphans on first: it does not take them
+    # back when it falls below the mean, it waits for the long quiet like any other.
+    after = Shedding(0.15)
+    now = run(after, 20.0, own=7, fleet=40, gone=1, guests=False)
+    grown = after.band(MID)
+    assert grown[0] == 0 and grown[1] > ORPHANS
+    run(after, 4.0, own=2, fleet=40, start=now, gone=1, guests=False)
+    assert after.band(MID) == grown
 
 
 def test_a_host_passes_on_only_its_guests_while_its_peers_are_full() -> None:

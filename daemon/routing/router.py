@@ -52,7 +52,7 @@ from daemon.routing.candidates import (
 )
 from daemon.routing.p2c import OwnShare, draw_exact, order
 from daemon.routing.ring import HashRing, hash64
-from daemon.routing.shed import Shedding, passes_on
+from daemon.routing.shed import Seat, Shedding, passes_on
 from gossip.snapshot import State
 from probes.model_id import model_id
 
@@ -248,11 +248,11 @@ class Router:
             served.add(mid)
             others = [(c.peer.in_flight, c.capacity) for c in entry.candidates
                       if c is not own and c.peer.fresh(now_ms, self._freshness_ms)]
-            # Guests come from a peer that passes sessions on, or from one gone (known,
-            # on the ring, but no candidate).
-            guests = (len(entry.known) > len(entry.candidates)
-                      or any(c.band[1] > 0 for c in entry.candidates if c is not own))
-            self.shedding.step(mid, own.peer.in_flight, own.capacity, others, now_ms, guests)
+            # Orphans come from a peer gone (known, on the ring, but no candidate), guests
+            # from a peer that passes sessions on.
+            self.shedding.step(mid, own.peer.in_flight, own.capacity, others, now_ms,
+                               gone=len(entry.known) - len(entry.candidates),
+                               guests=any(c.band[1] > 0 for c in entry.candidates if c is not own))
         self.shedding.forget_except(served)
 
     def _by_session(self, entry: ModelCandidates, session: str,
@@ -278,7 +278,8 @@ class Router:
                 alternatives.append(c)
                 if len(alternatives) == want:
                     break
-            elif passes_on(*c.band, node_id, session, node_id == owner):
+            elif passes_on(*c.band, node_id, session, Seat.OWN if node_id == owner
+                           else Seat.GUEST if passed else Seat.ORPHAN):
                 passed.append(c)
             else:
                 chosen = c

@@ -1,20 +1,21 @@
 """The sessions' load bound, decided by the host that carries the load.
 
 Each session has, for each peer, a coin in [0, 1) (BLAKE2b of the two names, so every host
-draws the same): in [GUESTS, 1) where the peer is the session's own (the first on its
-ring), in [0, GUESTS) where it is a guest (passed on by the peers before it, or theirs
-gone). A peer publishes, per model, a band of the coins: [start, start + width) around the
-circle. It passes on the sessions whose coin falls in its band, which then go to the next
-peer on their ring (router.py); it keeps the others. A band grows from 0, so a host passes
-on its guests before its own sessions: when a host is lost, its sessions move on to where
-there is room, and the sessions of the hosts that took them first stay where they are.
-The guests' part is small: a host with few of them must reach its own sessions soon.
-
-Every host reads the same band from the same snapshot, so hosts agree on where a session
-goes, whatever their own view of the loads. A bound that each host evaluated on its own
-copy of the in-flight counts (Mirrokni et al.'s bounded loads) disagreed near the bound:
-two hosts asked about a session at the same moment agreed 59% of the time in the fleet
-bench, and a session's peer flipped with the snapshots.
+draws the same), in a part of the circle that says what the session is to that peer
+(Seat): in [GUESTS, 1) where the peer is the session's own (the first on its ring); in
+[ORPHANS, GUESTS) where it is a guest that a live peer before it passes on; in
+[0, ORPHANS) where it is an orphan, the peers before it gone (dead, draining, not
+serving). A peer publishes, per model, a band of the coins: [start, start + width) around
+the circle. It passes on the sessions whose coin falls in its band, which then go to the
+next peer on their ring (router.py); it keeps the others. A band grows from 0, so a host
+passes on a lost host's sessions first, then the sessions that live peers passed on to
+it, then its own: when a host is lost, its sessions move on to where there is room, and
+the sessions of the hosts that took them stay where they are, their own and the guests
+they hold for a live peer (with one part for both kinds of guest, the hosts that took a
+lost host's sessions passed on, with them, guests held for 20 s: of the requests of the
+others' sessions that moved after a kill in the fleet bench, 5 of 6 were guests'). An
+orphan moved on has just lost its cache anyway; a guest has warmed one here. The guests'
+part is small: a host with few of them must reach its own sessions soon.
 
 The band follows the host's load per slot (in flight over capacity, the batch it has
 shown), smoothed over _SMOOTH_MS. A slot is a unit of batch, so equal load per slot is
@@ -47,7 +48,8 @@ one counted at this one's), the host's share is that level times its slots:
   next has been taken overshoots, and every host then passes everything on. A band that
   grows from 0 stops at the guests for a step, where the host may hold any (another peer
   passes sessions on, or one is gone): what they carried leaves before any of its own
-  sessions do. Where it holds none, the step would only lose 2 s. A band whose start has
+  sessions do, and it stops at the orphans first where it may hold both. Where it holds
+  none, the step would only lose 2 s. A band whose start has
   moved on (sessions taken back) grows at its start first, down to 0: the guests, and the
   sessions taken back last, go before any of its own beyond the end (grown at the end, in
   a fleet bench run, a band taken back from [0, 0.82) to [0.10, 0.82) grew to
@@ -64,6 +66,17 @@ one counted at this one's), the host's share is that level times its slots:
 
 Against the fleet's mean load per slot:
 
+- Below the fleet's mean load per slot at the first step after a peer is lost, a band
+  over the orphans' part gives it back: a lost host's sessions move anyway, and a host
+  with room takes them, whatever its band passed on before the loss (a band grown for
+  an overload long past refused them all: in the fleet bench, h2 and h4, at 0.6 and 0.9
+  of their shares with bands of 0.50 and 0.24, passed on every one of h3's sessions
+  that reached them, to h1 and h5, which then held 2.8 and 5.3 requests a slot and
+  passed on guests of their own). At that step only: a band grown since, for the
+  orphans, passed them on first, and taking them back later would move them twice (at
+  every step instead, h1 passed them on, then its guests, then took them back and kept
+  passing on the guests). Below the mean, not merely under the mark, so that the
+  orphans taken do not grow the band straight back.
 - Below _LOW for _QUIET_MS on end, every _STEP_MS the band's start moves forward by
   _RETURN_GAIN times the shortfall under _LOW (as a fraction of it), at least _RETURN: the
   sessions passed on first come back first, and an idle host's sooner (at _RETURN alone, a
@@ -93,10 +106,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from daemon.routing.ring import hash64
 
 GUESTS = 0.1
+ORPHANS = 0.05
 _SMOOTH_MS = 2_000
 _STEP_MS = 2_000
 _GAIN = 0.2
@@ -113,17 +128,24 @@ _RETURN = 0.02
 _RETURN_GAIN = 0.1
 
 
-def coin(node_id: str, session: str, own: bool) -> float:
-    """own: whether node_id is the first peer on the session's ring."""
-    draw = hash64(f"{node_id}\x1f{session}") / 2**64
-    return GUESTS + draw * (1 - GUESTS) if own else draw * GUESTS
+class Seat(Enum):
+    """What a session is to one peer of its ring: the part of the circle of its coin."""
+
+    ORPHAN = (0.0, ORPHANS)    # the peers before it on the ring are gone
+    GUEST = (ORPHANS, GUESTS)  # a live peer before it passes it on
+    OWN = (GUESTS, 1.0)        # the first peer on its ring
 
 
-def passes_on(start: float, width: float, node_id: str, session: str, own: bool) -> bool:
+def coin(node_id: str, session: str, seat: Seat) -> float:
+    low, high = seat.value
+    return low + hash64(f"{node_id}\x1f{session}") / 2**64 * (high - low)
+
+
+def passes_on(start: float, width: float, node_id: str, session: str, seat: Seat) -> bool:
     """Whether a peer publishing the band (start, width) passes the session on."""
     if width <= 0:
         return False
-    return (coin(node_id, session, own) - start) % 1.0 < width
+    return (coin(node_id, session, seat) - start) % 1.0 < width
 
 
 @dataclass
@@ -139,6 +161,7 @@ class _Band:
     smoothed_ms: int | None = None
     stepped_ms: int = 0
     quiet_since: int | None = None
+    gone: int = 0               # peers gone at the last step
 
 
 def _level(own_per_slot: float, others: Sequence[tuple[float, float]]) -> float:
@@ -176,10 +199,12 @@ class Shedding:
             del self._sessions_ms[gone]
 
     def step(self, model_id: int, own_load: float, own_capacity: float,
-             others: Sequence[tuple[float, float]], now_ms: int, guests: bool = True) -> None:
+             others: Sequence[tuple[float, float]], now_ms: int,
+             gone: int = 0, guests: bool = True) -> None:
         """own_load, own_capacity: this host's in flight and slots; others: the same for
-        each other candidate of the model; guests: whether this host may hold any (another
-        peer passes sessions on, or one is gone)."""
+        each other candidate of the model; gone: how many of the peers known to serve it
+        are not candidates (their sessions are orphans here); guests: whether another
+        peer passes sessions on."""
         b = self._bands.setdefault(model_id, _Band(stepped_ms=now_ms))
         seen = self._sessions_ms.get(model_id)
         if seen is None or now_ms - seen > _QUIET_MS:
@@ -222,16 +247,21 @@ class Shedding:
         draining = own_load <= max(mark, _DRAINING * b.step_load)
         if b.evidence >= _EVIDENCE and excess > 0 and not draining and b.width < most:
             width = min(most, b.width + min(_MAX_STEP, max(_MIN_STEP, _GAIN * excess)))
-            if guests and b.start == 0 and b.width < GUESTS:
-                width = min(width, GUESTS)
+            if b.start == 0:
+                for end, held in ((ORPHANS, gone > 0), (GUESTS, guests)):
+                    if held and b.width < end:
+                        width = min(width, end)
+                        break
             # Below a start above 0 are the guests and the sessions taken back last: they
             # go before any of its own beyond the end.
             back = min(width - b.width, b.start)
             b.start, b.width = b.start - back, width
             b.evidence = _EVIDENCE - _SPENT
+        elif gone > b.gone and b.ratio < 1 and b.start < ORPHANS < b.start + b.width <= 1:
+            _give_back(b, ORPHANS - b.start)
         elif b.quiet_since is not None and now_ms - b.quiet_since >= _QUIET_MS:
             _give_back(b, max(_RETURN, _RETURN_GAIN * (_LOW - b.ratio) / _LOW))
-        b.stepped_ms, b.step_load = now_ms, own_load
+        b.stepped_ms, b.step_load, b.gone = now_ms, own_load, gone
 
 
 def _give_back(b: _Band, part: float) -> None:
