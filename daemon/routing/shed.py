@@ -46,15 +46,14 @@ one counted at this one's), the host's share is that level times its slots:
   working, and what still counts against the host is the queue they left, which only
   time drains. Small steps, each given time to show: a step that shows only after the
   next has been taken overshoots, and every host then passes everything on. A band that
-  grows from 0 stops at the guests for a step, where the host may hold any (another peer
-  passes sessions on, or one is gone): what they carried leaves before any of its own
-  sessions do, and it stops at the orphans first where it may hold both. Where it holds
-  none, the step would only lose 2 s. A band whose start has
-  moved on (sessions taken back) grows at its start first, down to 0: the guests, and the
-  sessions taken back last, go before any of its own beyond the end (grown at the end, in
-  a fleet bench run, a band taken back from [0, 0.82) to [0.10, 0.82) grew to
-  [0.10, 0.99) after a host was lost: its own sessions went, none of the guests the loss
-  sent it).
+  grows from 0 stops for a step at the end of each part that the host may hold
+  sessions in (the orphans' where a peer is gone, the guests' where another passes
+  sessions on): what they carried leaves before any of its own sessions do. Where it
+  holds none, the step would only lose 2 s. A band whose start has moved on (sessions
+  taken back) grows at its start first, down to 0: the guests, and the sessions taken
+  back last, go before any of its own beyond the end (grown at the end, in a fleet
+  bench run, a band taken back from [0, 0.82) to [0.10, 0.82) grew to [0.10, 0.99)
+  after a host was lost: its own sessions went, none of the guests the loss sent it).
 - While the other candidates have less than _ROOM of their slots free (a host lost, a
   surge), the band grows no further than the guests: they queue too, so a session of its
   own moved there moves its queue rather than shortening it, and costs its prefix cache,
