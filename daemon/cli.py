@@ -19,7 +19,7 @@ EXIT_CONFIG = 78
 
 
 def _fail(message: str, code: int = 1) -> int:
-    print(f"loadmesh: {message}", file=sys.stderr)
+    print(f"loadmesh: {render.printable(message)}", file=sys.stderr)
     return code
 
 
@@ -49,7 +49,8 @@ def _shows(path: str, renderer: Callable[[Any], str]) -> Callable[[argparse.Name
 
     def command(args: argparse.Namespace) -> int:
         body = _query(args, path)
-        print(json.dumps(body, indent=2) if args.json else renderer(body))
+        # JSON is escaped by json.dumps (ensure_ascii): every control and non-ASCII character.
+        print(json.dumps(body, indent=2) if args.json else renderer(render.printable(body)))
         return 0
 
     return command
@@ -59,7 +60,7 @@ def _posts(path: str, renderer: Callable[[Any], str]) -> Callable[[argparse.Name
     def command(args: argparse.Namespace) -> int:
         with Client(_socket_path(args)) as client:
             body = client.post(path, {})
-        print(json.dumps(body) if args.json else renderer(body))
+        print(json.dumps(body) if args.json else renderer(render.printable(body)))
         return 0
 
     return command
@@ -95,7 +96,7 @@ def cmd_best(args: argparse.Namespace) -> int:
             if exc.status != 503:
                 raise
             return _fail(exc.message)
-    print(json.dumps(body, indent=2) if args.json else render.best(body))
+    print(json.dumps(body, indent=2) if args.json else render.best(render.printable(body)))
     return 0
 
 

@@ -2,8 +2,31 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+# C0 and C1 controls, DEL, and the marks and overrides that reorder text on screen.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(value: Any) -> Any:
+    """`value` with every string in it, keys too, safe for a terminal: controls and
+    bidirectional marks as escapes (\\x1b, \\u202e). Model names come from request bodies on
+    the serving port and node ids from gossip: printed raw, one could clear the screen,
+    retitle the terminal, or make one row read as another."""
+    if isinstance(value, str):
+        return _UNSAFE.sub(_escape, value)
+    if isinstance(value, Mapping):
+        return {printable(k): printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [printable(v) for v in value]
+    return value
 
 
 def duration(seconds: float) -> str:

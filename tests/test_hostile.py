@@ -1,0 +1,89 @@
+"""Hostile input against real agents over real sockets (issue 15). So far: what the CLI
+prints to a terminal, from strings an attacker chooses on the serving port (a request's
+"model") and on the gossip port (a node id)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import nettopo
+from conftest import LOADMESH, agent_config
+from gossip import wire
+from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from gossip.wire import Kind
+
+SERVER = [sys.executable, str(Path(__file__).with_name("probe_servers.py"))]
+PORT = 8000
+# Clears the screen, sets the terminal's title, turns text red, and reverses what follows.
+EVIL = "evil\x1b[2J\x1b]0;owned\x07\x1b[31m\u202ered"
+SHOWN = "evil\\x1b[2J\\x1b]0;owned\\x07\\x1b[31m\\u202ered"
+
+
+def loadmesh(*args: str) -> str:
+    return subprocess.run([LOADMESH, *args], capture_output=True, text=True, timeout=30,
+                          check=True).stdout
+
+
+def until(check: Callable[[], bool], what: str, seconds: float = 15.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.3)
+    pytest.fail(f"not within {seconds:g} s: {what}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and netns")
+def test_dump_escapes_model_names_taken_from_the_serving_port(make_agent, run_dir: Path) -> None:
+    with nettopo.veth_netns() as topo, topo.ns.popen(SERVER + ["--port", str(PORT)], ready="ready"):
+        sock = str(run_dir / "loadmesh.sock")
+        agent = make_agent(agent_config(sock, extra=f'advertise = "{topo.host_v4}"',
+                                        probes=f'interfaces = ["{topo.host_if}"]\n'
+                                               f'ports = [{PORT}]\nrequired = true'))
+        agent.start()
+        agent.wait_ready(sock)
+        # Raw control bytes inside the JSON string: not valid JSON, but on the wire.
+        body = f'{{"model": "{EVIL}", "messages": []}}'.encode()
+        with socket.create_connection((topo.ns_v4, PORT), timeout=10) as conn:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nConnection: close\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            while conn.recv(65536):
+                pass
+        until(lambda: any(m["model"] == EVIL for m in json.loads(
+            loadmesh("dump", "--socket", sock, "--json"))["models"]), "the model in the maps")
+        shown = loadmesh("dump", "--socket", sock)
+        assert SHOWN in shown
+        assert not any(c in shown for c in "\x1b\x07\u202e")
+
+
+def test_peers_escapes_node_ids_taken_from_gossip(make_agent, run_dir: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sock = str(run_dir / "loadmesh.sock")
+    agent = make_agent(agent_config(sock, gossip=f'bind = "127.0.0.1:{port}"')).start()
+    agent.wait_ready(sock)
+    forged = LoadSnapshot(node_id=EVIL, endpoints=(Endpoint("127.0.0.1", 8000),), version=1,
+                          timestamp_ms=int(time.time() * 1000), state=State.OK, score=0.5,
+                          host=HostLoad(0.5, 1000, 2000, 1.5, None), gpus=(), models=())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
+        attacker.bind(("127.0.0.1", 0))
+        content = wire.pack_content(
+            [wire.pack_full(0, 0, attacker.getsockname(), encode(forged))], 1400)[0]
+        attacker.sendto(wire.seal(Kind.CONTENT, wire.node_key(EVIL), content, None),
+                        ("127.0.0.1", port))
+        until(lambda: any(p["node_id"] == EVIL for p in json.loads(
+            loadmesh("peers", "--socket", sock, "--json"))), "the forged peer in the table")
+    shown = loadmesh("peers", "--socket", sock)
+    assert SHOWN in shown
+    assert not any(c in shown for c in "\x1b\x07\u202e")
