@@ -20,7 +20,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from daemon import logs
 from daemon.api_server import ApiServer, Router
-from daemon.config import Config
+from daemon.config import EXIT_CONFIG, Config
 from daemon.health import Component, State, StartupError
 from daemon.http import Request, Response
 from daemon.gossip_component import GossipComponent
@@ -99,7 +99,7 @@ class Agent:
                     await component.start()
                 except StartupError as exc:
                     log.error("cannot start %s: %s", component.name, exc)
-                    code = 1
+                    code = EXIT_CONFIG if exc.config else 1
                     break
                 started.append(component)
             else:

@@ -14,10 +14,6 @@ from daemon import config as config_mod
 from daemon import cli_simulate, logs, render
 from daemon.client import AgentUnavailable, ApiError, Client
 
-# sysexits' EX_CONFIG: the unit file keeps systemd from restarting into the same bad file.
-EXIT_CONFIG = 78
-
-
 def _fail(message: str, code: int = 1) -> int:
     print(f"loadmesh: {render.printable(message)}", file=sys.stderr)
     return code
@@ -162,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except config_mod.ConfigError as exc:
-        return _fail(str(exc), EXIT_CONFIG)
+        return _fail(str(exc), config_mod.EXIT_CONFIG)
     except AgentUnavailable as exc:
         return _fail(str(exc))
     except ApiError as exc:

@@ -28,6 +28,10 @@ _GOSSIP = GossipParams()
 Check = Callable[[Any], str | None]
 
 
+# sysexits' EX_CONFIG: the unit file keeps systemd from restarting into the same bad file.
+EXIT_CONFIG = 78
+
+
 class ConfigError(Exception):
     """A configuration problem, already phrased for the operator."""
 
@@ -384,5 +388,5 @@ def _toml_value(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-__all__ = ["Config", "ConfigError", "ProbesConfig", "GossipConfig", "ApiConfig",
+__all__ = ["EXIT_CONFIG", "Config", "ConfigError", "ProbesConfig", "GossipConfig", "ApiConfig",
            "MetricsConfig", "LoadConfig", "RoutingConfig", "parse", "load", "split_host_port", "defaults_toml"]

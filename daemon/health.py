@@ -29,7 +29,12 @@ OK = Health(State.OK)
 
 
 class StartupError(Exception):
-    """A component cannot run and the agent must not run without it; str() is the reason."""
+    """A component cannot run and the agent must not run without it; str() is the reason.
+    config: a file the operator must fix (exit 78, which the unit does not restart into)."""
+
+    def __init__(self, reason: str, config: bool = False) -> None:
+        super().__init__(reason)
+        self.config = config
 
 
 class Component(Protocol):

@@ -21,13 +21,14 @@ from daemon.api_server import Router
 from daemon.collectors.host import HostCollector
 from daemon.config import Config, split_host_port
 from daemon.gpu_component import GpuComponent
-from daemon.health import OK, Health, State
+from daemon.health import OK, Health, StartupError, State
 from daemon.http import Request, Response
 from daemon.model_list import ModelLister
 from daemon.probes_component import POLL_S, ProbesComponent
 from daemon.score import ScoreConfig
 from daemon.snapshot_builder import SnapshotBuilder
 from daemon.snapshot_view import snapshot_json
+from daemon.state_files import BadStateFile, flag_set, set_flag
 from daemon.versioning import ChangeDetector, VersionClock, VersionStore
 from gossip.snapshot import Endpoint, LoadSnapshot
 
@@ -131,13 +132,16 @@ class SnapshotComponent:
             self._health = Health(State.DEGRADED,
                                   f"state directory {self._state_dir}: {exc.strerror}")
             log.warning("%s", self._health.reason)
-        self._draining = self._drain_flag.exists()
+        try:
+            self._draining = flag_set(self._drain_flag)
+            versions = VersionClock(VersionStore(self._state_dir / "version"))
+        except BadStateFile as exc:
+            raise StartupError(str(exc), config=True) from None
         if self._draining:
             log.warning("starting drained (%s exists): `loadmesh undrain` ends it", self._drain_flag)
         self._host_name = advertise_host(self.config)
         self._builder = SnapshotBuilder(
-            self.config.node_id, self._endpoints(),
-            VersionClock(VersionStore(self._state_dir / "version")),
+            self.config.node_id, self._endpoints(), versions,
             ChangeDetector(heartbeat_ms=self.config.load.heartbeat_ms),
             score_config(self.config))
         self._lister = ModelLister(self._host_name, self.config.probes.ports,
@@ -223,13 +227,9 @@ class SnapshotComponent:
     def _set_draining(self, draining: bool) -> Response:
         self._draining = draining
         try:
-            if draining:
-                self._drain_flag.touch()
-            else:
-                self._drain_flag.unlink(missing_ok=True)
-        except OSError as exc:
-            log.error("cannot keep the drain state in %s (%s): it lasts until a restart",
-                      self._drain_flag, exc.strerror)
+            set_flag(self._drain_flag, draining)
+        except (OSError, BadStateFile) as exc:
+            log.error("cannot keep the drain state (%s): it lasts until a restart", exc)
         log.warning("node %s by the operator", "drained" if draining else "undrained")
         self._wake.set()  # peers must hear of it now, not at the next tick
         return Response.json({"draining": draining})

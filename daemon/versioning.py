@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gossip.snapshot import LoadSnapshot
+from daemon.state_files import NOFOLLOW, BadStateFile, read_state_file
+from gossip.snapshot import MAX_CLOCK, LoadSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -24,35 +25,46 @@ def wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+# Far beyond any clock in milliseconds (2**62 ms is 146 million years), far below where
+# versions stop fitting the wire (MAX_CLOCK): a stored value above it was not written by
+# an agent, and handing out versions from it would fail on every tick.
+MAX_STORED = MAX_CLOCK // 2
+
+
 class VersionStore:
     """The highest version this node may have handed out, kept in one small file.
 
     Written to a temporary file, flushed to disk and renamed over the old one, so a crash
-    leaves either the old number or the new one, never a torn file.
+    leaves either the old number or the new one, never a torn file: a file that holds
+    anything but such a number was not written by an agent, and load() refuses it.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def load(self) -> int:
-        """The stored version, 0 when there is none or it cannot be read."""
+        """The stored version, 0 when there is none or it cannot be read. BadStateFile
+        when it holds anything but a number from 0 to MAX_STORED, or is a link."""
         try:
-            text = self.path.read_text(encoding="ascii")
-        except FileNotFoundError:
-            return 0
-        except (OSError, UnicodeDecodeError) as e:
+            text = read_state_file(self.path)
+        except OSError as e:
             log.warning("cannot read version file %s (%s); seeding from the clock", self.path, e)
             return 0
-        try:
-            value = int(text.strip())
-        except ValueError:
-            log.warning("version file %s holds %r, not a number; seeding from the clock", self.path, text[:40])
+        if text is None:
             return 0
-        return max(value, 0)
+        value = text.strip()
+        if not value.isdigit() or int(value) > MAX_STORED:
+            raise BadStateFile(f"{self.path}: holds {value[:24]!r}, not a version from 0 to "
+                               f"{MAX_STORED}: remove it to seed versions from the clock")
+        return int(value)
 
     def save(self, version: int) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="ascii") as f:
+        # Whatever is at the temporary name goes (unlinking a link removes the link, not
+        # its target), and the file is created new: O_EXCL never follows a link.
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o640)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
             f.write(f"{version}\n")
             f.flush()
             os.fsync(f.fileno())

@@ -87,3 +87,44 @@ def test_peers_escapes_node_ids_taken_from_gossip(make_agent, run_dir: Path) -> 
     shown = loadmesh("peers", "--socket", sock)
     assert SHOWN in shown
     assert not any(c in shown for c in "\x1b\x07\u202e")
+
+
+def state_dir(run_dir: Path) -> Path:
+    path = run_dir / "state-test-node"  # agent_config's, beside the socket
+    path.mkdir(mode=0o750)
+    return path
+
+
+@pytest.mark.parametrize("name, content", [("version", f"{2**63 - 1}\n"),
+                                           ("version", f"{2**64}\n"), ("version", "x\n")])
+def test_a_state_file_no_agent_wrote_stops_the_agent_naming_it(
+        make_agent, run_dir: Path, name: str, content: str) -> None:
+    (state_dir(run_dir) / name).write_text(content)
+    agent = make_agent(agent_config(str(run_dir / "loadmesh.sock"))).start()
+    assert agent.wait_exit() == 78
+    assert f"{run_dir / 'state-test-node' / name}: holds" in agent.logs()
+    assert "Traceback" not in agent.logs()
+
+
+def test_links_in_the_state_directory_are_never_followed(make_agent, run_dir: Path) -> None:
+    victim = run_dir / "victim"
+    victim.write_text("precious\n")
+    state = state_dir(run_dir)
+    # A link at the version file's temporary name: removed, the target untouched.
+    (state / "version.tmp").symlink_to(victim)
+    sock = str(run_dir / "loadmesh.sock")
+    agent = make_agent(agent_config(sock)).start()
+    agent.wait_ready(sock)
+    assert (state / "version").read_text().strip().isdigit()
+    # A dangling link planted where `loadmesh drain` keeps its flag: not created through.
+    planted = run_dir / "planted"
+    (state / "draining").symlink_to(planted)
+    assert json.loads(loadmesh("drain", "--socket", sock, "--json")) == {"draining": True}
+    assert not planted.exists() and victim.read_text() == "precious\n"
+    assert "symbolic link" in agent.logs()
+    agent.kill()
+    # At the next start the link is a bad state file: exit 78, naming it.
+    again = make_agent(agent_config(sock)).start()
+    assert again.wait_exit() == 78
+    assert f"{state / 'draining'}: not a regular file" in again.logs()
+    assert not planted.exists()

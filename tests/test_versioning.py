@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from daemon.state_files import BadStateFile
 from daemon.versioning import ChangeDetector, Deadband, Deadbands, VersionClock, VersionStore
 from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
 
@@ -83,10 +84,28 @@ def test_store_is_written_once_per_reservation(tmp_path: Path) -> None:
     assert not (tmp_path / "version.tmp").exists()
 
 
-@pytest.mark.parametrize("content", ["", "garbage\n", "\xff\xfe"])
-def test_unreadable_state_file_falls_back_to_the_clock(tmp_path: Path, content: str) -> None:
+@pytest.mark.parametrize("content", ["", "garbage\n", "\xff\xfe", "-1\n", f"{2**63 - 1}\n",
+                                     f"{2**64}\n", "1" * 80])
+def test_a_version_file_no_agent_wrote_is_refused_by_name(tmp_path: Path, content: str) -> None:
+    # 2**63 - 1 would make every version after it too big for the wire: a snapshot
+    # failure on every tick. Refused, the agent stops with the file named instead.
     (tmp_path / "version").write_bytes(content.encode("latin-1"))
-    assert VersionClock(VersionStore(tmp_path / "version"), now_ms=lambda: NOW).take() == NOW
+    with pytest.raises(BadStateFile, match=str(tmp_path / "version")):
+        VersionStore(tmp_path / "version").load()
+
+
+def test_the_version_files_are_never_followed_through_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "version").symlink_to(victim)
+    with pytest.raises(BadStateFile, match="symbolic link"):
+        VersionStore(tmp_path / "version").load()
+    # A link at the temporary name is removed, not written through.
+    (tmp_path / "version").unlink()
+    (tmp_path / "version.tmp").symlink_to(victim)
+    VersionStore(tmp_path / "version").save(42)
+    assert victim.read_text() == "precious\n"
+    assert (tmp_path / "version").read_text() == "42\n" and not (tmp_path / "version").is_symlink()
 
 
 def test_failing_store_does_not_stop_versions(tmp_path: Path) -> None:
