@@ -44,6 +44,9 @@ class Request:
             return json.loads(self.body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from None
+        except RecursionError:
+            # 64 KiB of "[" nest deeper than the interpreter's stack allows.
+            raise HttpError(HTTPStatus.BAD_REQUEST, "body is nested too deep") from None
 
 
 @dataclass
@@ -73,6 +76,7 @@ class Response:
 
 
 _METHOD_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_SINGLE = frozenset({"content-length", "transfer-encoding", "host"})
 
 
 def parse_head(head: bytes) -> Request:
@@ -98,12 +102,18 @@ def parse_head(head: bytes) -> Request:
             raise HttpError(HTTPStatus.BAD_REQUEST, "malformed header line")
         if len(headers) >= MAX_HEADERS:
             raise HttpError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "too many headers")
-        headers[name.lower()] = value.strip()
+        key = name.lower()
+        # Two lengths are how a request is smuggled past a proxy that reads the other one
+        # (RFC 9112, 6.3): refused, never one of them picked.
+        if key in _SINGLE and key in headers:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"repeated {name} header")
+        headers[key] = value.strip()
 
     if "transfer-encoding" in headers:
         raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "chunked request bodies are not supported")
     length_text = headers.get("content-length", "0")
-    if not length_text.isdigit():
+    # ASCII digits only: str.isdigit() also takes "²", which int() then refuses.
+    if not (length_text.isascii() and length_text.isdigit()):
         raise HttpError(HTTPStatus.BAD_REQUEST, "bad Content-Length")
     length = int(length_text)
     if length > MAX_BODY_BYTES:

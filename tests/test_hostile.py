@@ -128,3 +128,37 @@ def test_links_in_the_state_directory_are_never_followed(make_agent, run_dir: Pa
     assert again.wait_exit() == 78
     assert f"{state / 'draining'}: not a regular file" in again.logs()
     assert not planted.exists()
+
+
+def raw(path: str, data: bytes) -> bytes:
+    """What the agent answers on its API socket to `data`, read until it closes."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10)
+        conn.connect(path)
+        conn.sendall(data)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    # "²" passes str.isdigit(), then int() raised: a dead connection, an unretrieved task.
+    (b"GET /v1/status HTTP/1.1\r\nContent-Length: \xb2\r\n\r\n", b"400"),
+    # Two lengths: the last one was taken, where a proxy in front may take the first.
+    (b"GET /v1/status HTTP/1.1\r\nConnection: close\r\nContent-Length: 0\r\n"
+     b"Content-Length: 5\r\n\r\nhello", b"400"),
+    # JSON 20,000 deep: a RecursionError, a 500 and a traceback in the log per request.
+    (b"POST /v1/feedback HTTP/1.1\r\nConnection: close\r\nContent-Length: 40000\r\n\r\n"
+     + b"[" * 20000 + b"]" * 20000, b"400"),
+])
+def test_malformed_requests_get_a_4xx_and_leave_no_traceback(
+        make_agent, run_dir: Path, request_bytes: bytes, status: bytes) -> None:
+    sock = str(run_dir / "loadmesh.sock")
+    agent = make_agent(agent_config(sock)).start()
+    agent.wait_ready(sock)
+    answer = raw(sock, request_bytes)
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:80]
+    # The agent still serves, and said nothing alarming about it.
+    assert json.loads(loadmesh("status", "--socket", sock, "--json"))["node_id"] == "test-node"
+    assert "Traceback" not in agent.logs() and "exception" not in agent.logs().lower()
