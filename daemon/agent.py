@@ -70,6 +70,7 @@ class Agent:
         self.notifier = Notifier()
         self._started_wall = time.time()
         self._started_mono = time.monotonic()
+        self._running = False  # every component started
         self.router.add("GET", "/healthz", self._healthz)
         self.router.add("GET", "/v1/status", self._status)
 
@@ -107,6 +108,7 @@ class Agent:
                 # lives as long as the agent: out of the collector's sight, full collections
                 # walk only what the agent makes as it runs, and hold the GIL that much less.
                 gc.freeze()
+                self._running = True
                 log.info("node %s ready: %s", self.config.node_id, self._summary())
                 self.notifier.ready(self._status_line())
                 tasks.append(asyncio.create_task(self._reloads(reload_wanted), name="reload"))
@@ -173,11 +175,16 @@ class Agent:
     def _summary(self) -> str:
         return ", ".join(f"{c.name} {c.health()}" for c in self.components)
 
+    def _state(self) -> str:
+        return str(self._overall()) if self._running else "starting"
+
     def _healthz(self, _: Request) -> Response:
         # 200 while the agent serves at all: a degraded agent still routes and gossips, and
         # a supervisor that restarted it for a missing GPU would only make things worse.
-        return Response.json({"status": str(self._overall()),
-                              "components": self._components_json()}, HTTPStatus.OK)
+        # 503 until every component has started: the API answers first (its socket is
+        # what keeps a second agent out), seconds before the probes are attached.
+        return Response.json({"status": self._state(), "components": self._components_json()},
+                             HTTPStatus.OK if self._running else HTTPStatus.SERVICE_UNAVAILABLE)
 
     def _status(self, _: Request) -> Response:
         body: dict[str, Any] = {
@@ -186,7 +193,7 @@ class Agent:
             "pid": os.getpid(),
             "started_at": round(self._started_wall, 3),
             "uptime_s": round(time.monotonic() - self._started_mono, 3),
-            "status": str(self._overall()),
+            "status": self._state(),
             "components": self._components_json(),
         }
         return Response.json(body)

@@ -63,8 +63,11 @@ def _posts(path: str, renderer: Callable[[Any], str]) -> Callable[[argparse.Name
 
 
 def _drained(body: Any) -> str:
-    return ("draining: peers stop sending new requests" if body["draining"]
+    said = ("draining: peers stop sending new requests" if body["draining"]
             else "undrained: peers may send requests again")
+    if not body["kept"]:
+        said += "\nnot kept on disk: a restart forgets it (`loadmesh status` says why)"
+    return said
 
 
 # name, help, what it runs: the operator commands that only read or flip agent state.

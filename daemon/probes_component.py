@@ -75,7 +75,10 @@ class ProbesComponent:
 
     def _unavailable(self, reason: str) -> None:
         if self.config.required:
-            raise StartupError(f"probes are required (probes.required = true): {reason}")
+            # Exit 78: a restart meets the same interface, kernel and privileges (the
+            # unit would restart into it forever); the operator must change one of them.
+            raise StartupError(f"probes are required (probes.required = true): {reason}",
+                               config=True)
         self._health = Health(State.DEGRADED, reason)
         log.warning("running without probes: %s", reason)
 

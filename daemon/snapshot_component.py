@@ -226,13 +226,19 @@ class SnapshotComponent:
 
     def _set_draining(self, draining: bool) -> Response:
         self._draining = draining
+        kept = True
         try:
             set_flag(self._drain_flag, draining)
         except (OSError, BadStateFile) as exc:
-            log.error("cannot keep the drain state (%s): it lasts until a restart", exc)
+            # In force all the same (peers hear of it now), but a restart would forget it:
+            # the operator must hear that too, from the answer and from the health.
+            kept = False
+            self._health = Health(State.DEGRADED,
+                                  f"drain state not kept ({exc}): it lasts until a restart")
+            log.error("%s", self._health.reason)
         log.warning("node %s by the operator", "drained" if draining else "undrained")
         self._wake.set()  # peers must hear of it now, not at the next tick
-        return Response.json({"draining": draining})
+        return Response.json({"draining": draining, "kept": kept})
 
     def model_names(self) -> dict[int, str]:
         """model_id -> name, for the models the probes have seen or the servers list."""

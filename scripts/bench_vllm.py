@@ -47,7 +47,7 @@ from llm_clients import nearest_rank  # noqa: E402
 from metrics_helpers import free_port, wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from daemon.client import Client  # noqa: E402
+from daemon.client import ApiError, Client  # noqa: E402
 
 MODEL = "tiny"
 PORT = 8000
@@ -137,7 +137,10 @@ def answering(check: Callable[[], bool]) -> Callable[[], bool]:
 
 def agent_ready(sock: str) -> bool:
     with Client(sock) as agent:
-        return agent.get("/healthz")["components"]["probes"]["state"] == "ok"
+        try:
+            return agent.get("/healthz")["components"]["probes"]["state"] == "ok"
+        except ApiError:  # 503 until every component has started
+            return False
 
 
 class Sampler:

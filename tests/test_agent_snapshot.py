@@ -32,7 +32,7 @@ def test_snapshot_drain_and_restart(make_agent, run_dir: Path) -> None:
     assert health["gpu"]["state"] == "off" and health["gpu"]["reason"]
     assert health["snapshot"]["state"] == "ok"
 
-    assert cli_json("drain", "--socket", sock) == {"draining": True}
+    assert cli_json("drain", "--socket", sock) == {"draining": True, "kept": True}
     drained = cli_json("snapshot", "--socket", sock)
     assert drained["state"] == "draining"
     assert drained["version"] > snap["version"]
@@ -48,5 +48,5 @@ def test_snapshot_drain_and_restart(make_agent, run_dir: Path) -> None:
     assert restarted["version"] > drained["version"]
     assert "starting drained" in again.logs()
 
-    assert cli_json("undrain", "--socket", sock) == {"draining": False}
+    assert cli_json("undrain", "--socket", sock) == {"draining": False, "kept": True}
     assert cli_json("snapshot", "--socket", sock)["state"] == "ok"
