@@ -90,16 +90,13 @@ class GossipComponent:
     def health(self) -> Health:
         return OK
 
-    def set_keyring(self, key_file: str, keyring: Keyring | None) -> None:
-        """Take a reloaded key file (a rotation step, or the mesh closed or opened)."""
+    def set_keyring(self, key_file: str, keyring: Keyring) -> None:
+        """Take a reloaded key file (a rotation step, or an open mesh closed)."""
         self.config = dataclasses.replace(self.config, key_file=key_file)
         if self.service is None:
             return
         self.service.set_keyring(keyring)
-        if keyring is None:
-            log.warning("no key file any more: the mesh is open")
-        else:
-            log.info("%d key(s) from %s, the first signs", len(keyring.keys), key_file)
+        log.info("%d key(s) from %s, the first signs", len(keyring.keys), key_file)
 
     async def set_seeds(self, seeds: Sequence[str]) -> None:
         """Take reloaded seeds. Seeds only matter to a node that has no live peer: it

@@ -11,6 +11,8 @@ the agent restarts.
 
 A file that does not parse, or a key file that cannot be read, changes nothing: the
 error is logged with the file and the key, and the agent keeps its running configuration.
+So does a file without a key file where the running mesh is keyed: a reload never opens
+a keyed mesh (a line lost in an edit would drop every signature); a restart does.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class Reloader:
             return running
         try:
             new = await asyncio.to_thread(config_mod.load, self.path)
+            if running.gossip.key_file and not new.gossip.key_file:
+                raise ConfigError(self.path, "gossip.key_file",
+                                  "empty where the running mesh is keyed: a reload never "
+                                  "opens a keyed mesh (restart the agent to run it open)")
             keyring = await self._keyring(new)
             changed = changed_keys(running, new)
             apply = [k for k in changed if reloadable(k)]
@@ -134,7 +140,7 @@ class Reloader:
             logs.setup(new.log_level)
         if any(k == "probes.ports" or k.startswith("load.") for k in keys):
             self.snapshot.reconfigure(new)
-        if new.gossip.key_file or "gossip.key_file" in keys:
+        if keyring is not None:
             self.gossip.set_keyring(new.gossip.key_file, keyring)
         if "gossip.seeds" in keys:
             await self.gossip.set_seeds(new.gossip.seeds)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import secrets
 import signal
+import socket
 from pathlib import Path
 
 import pytest
 
 from conftest import AgentProcess, agent_config
 from daemon.client import ApiError, Client
+from gossip import wire
+from gossip.wire import Kind
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 
 
@@ -108,3 +111,27 @@ def test_a_reloaded_key_and_seed_join_a_lone_node_to_the_mesh(make_agent, run_di
 
     wait_for(lambda: peers("b").get("a") == "alive" and peers("a").get("b") == "alive",
              what="a and b to see each other")
+
+
+def test_a_reload_never_opens_a_keyed_mesh(make_agent, run_dir: Path) -> None:
+    key = run_dir / "mesh.key"
+    key.write_text(secrets.token_hex(32) + "\n")
+    key.chmod(0o600)
+    sock = str(run_dir / "loadmesh.sock")
+    keyed = agent_config(sock, gossip=f'bind = "127.0.0.1:0"\nkey_file = "{key}"')
+    agent = make_agent(keyed).start()
+    agent.wait_ready(sock)
+    # The key file's line lost in an edit: refused, the running configuration kept.
+    reload(agent, agent_config(sock), "failed")
+    assert (f"{agent.config_path}: gossip.key_file: empty where the running mesh is keyed"
+            in agent.logs())
+    # Still keyed: an unsigned datagram is dropped as such.
+    with Client(sock) as client:
+        host, _, port = client.get("/v1/gossip")["address"].rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
+        attacker.sendto(wire.seal(Kind.GOSSIP, 1, b"", None), (host, int(port)))
+
+    def dropped() -> bool:
+        with Client(sock) as client:
+            return client.get("/v1/gossip")["counters"].get("drop_unsigned", 0) >= 1
+    wait_for(dropped, what="the unsigned datagram dropped")
