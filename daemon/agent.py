@@ -60,7 +60,7 @@ class Agent:
             self.gossip, self.snapshot, self.router)
         self.reloader = Reloader(config_path, self.probes, self.snapshot, self.gossip, self.routing)
         registry = CollectorRegistry()
-        registry.register(AgentCollector(self))
+        registry.register(AgentCollector(self, config.metrics.model_labels))
         ProcessCollector(registry=registry)
         # The API comes first: claiming its socket is what stops a second agent on the same
         # host before it attaches probes a second time.

@@ -234,6 +234,8 @@ class ApiConfig:
 class MetricsConfig:
     listen: str = _key("127.0.0.1:9464", _ip_port_or_off, "address of the Prometheus exporter's "
                        "HTTP /metrics (empty: no exporter)")
+    model_labels: int = _key(64, _between(1, 4096), "models with series of their own "
+                             "(clients name them); later ones count under model=\"(other)\"")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ Names follow the Prometheus conventions: base units (seconds, bytes, ratios of 0
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -24,6 +24,7 @@ from prometheus_client.utils import floatToGoString
 from daemon.gossip_component import GossipComponent
 from daemon.gpu_component import GpuComponent
 from daemon.health import Component, State
+from daemon.label_cap import OTHER, LabelCap
 from daemon.probes_component import ProbesComponent
 from daemon.reload import Reloader
 from daemon.routing_component import RoutingComponent
@@ -104,8 +105,10 @@ class AgentView(Protocol):
 
 
 class AgentCollector(Collector):
-    def __init__(self, agent: AgentView) -> None:
+    def __init__(self, agent: AgentView, model_labels: int) -> None:
+        """model_labels: how many models get series of their own (label_cap.py)."""
         self.agent = agent
+        self._model = LabelCap(model_labels)
 
     def collect(self) -> Iterable[Metric]:
         yield from self._node()
@@ -227,11 +230,15 @@ class AgentCollector(Collector):
         errors = CounterMetricFamily("loadmesh_probe_errors", "Probe events that lost or "
                                      "misfiled a request, by reason (docs/probes.md).",
                                      labels=["reason"])
+        folded_models = GaugeMetricFamily(
+            "loadmesh_metrics_models_folded", "Models counted under model=\"(other)\" "
+            "because metrics.model_labels others came first (clients name models).")
         probes = self.agent.probes
         report = probes.summary()
+        folded: set[str] = set()
         if report is not None:
-            for row in report["models"]:
-                ids = [row["model"], row["endpoint"]]
+            for (model, endpoint), row in self._fold_rows(report["models"], folded).items():
+                ids = [model, endpoint]
                 for code, n in row["status"].items():
                     requests.add_metric([*ids, code], n)
                 for outcome, n in row["outcomes"].items():
@@ -243,16 +250,44 @@ class AgentCollector(Collector):
                 in_flight.add_metric(ids, row["inflight"])
             for reason, n in sorted(report["errors"].items()):
                 errors.add_metric([reason], n)
-        yield from (requests, outcomes, tokens, prompt, waiting, running, in_flight, errors)
+        folded_models.add_metric([], len(folded))
+        yield from (requests, outcomes, tokens, prompt, waiting, running, in_flight, errors,
+                    folded_models)
         for kind, name, help_text, bounds in _LATENCY:
             family = HistogramMetricFamily(name, help_text + _LATENCY_NOTE, labels=labels)
             # Spelled as vLLM's client library spells them, so le="1.0" is the same bucket.
             les = [floatToGoString(b) for b in bounds]
+            histograms: dict[tuple[str, str], tuple[list[int], int, float]] = {}
             for h in probes.latency_counts(kind, bounds):
-                family.add_metric([h.model, h.endpoint],
-                                  [*zip(les, h.cumulative, strict=True), ("+Inf", h.count)],
-                                  h.sum_s)
+                key = (self._model(h.model), h.endpoint)
+                cumulative, count, sum_s = histograms.get(key, ([0] * len(bounds), 0, 0.0))
+                histograms[key] = ([a + b for a, b in zip(cumulative, h.cumulative, strict=True)],
+                                   count + h.count, sum_s + h.sum_s)
+            for (model, endpoint), (cumulative, count, sum_s) in histograms.items():
+                family.add_metric([model, endpoint],
+                                  [*zip(les, cumulative, strict=True), ("+Inf", count)], sum_s)
             yield family
+
+    def _fold_rows(self, rows: Iterable[dict[str, Any]],
+                   folded: set[str]) -> dict[tuple[str, str], dict[str, Any]]:
+        """The report's model rows by (model label, endpoint): the models past the cap
+        summed under OTHER, their names added to `folded`."""
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+        for row in rows:
+            model = self._model(row["model"])
+            if model == OTHER:
+                folded.add(row["model"])
+            acc = out.get((model, row["endpoint"]))
+            if acc is None:
+                out[model, row["endpoint"]] = {**row, "status": dict(row["status"]),
+                                               "outcomes": dict(row["outcomes"])}
+                continue
+            for figure in ("output_tokens", "prompt_tokens", "waiting", "running", "inflight"):
+                acc[figure] += row[figure]
+            for table in ("status", "outcomes"):
+                for key, n in row[table].items():
+                    acc[table][key] = acc[table].get(key, 0) + n
+        return out
 
     def _mesh(self) -> Iterator[Metric]:
         peers = GaugeMetricFamily("loadmesh_peers", "Other nodes in this node's table, by "
@@ -302,5 +337,7 @@ class AgentCollector(Collector):
             names = self.agent.snapshot.model_names()
             widths = {m.model_id: m.shed_width for m in snap.models}
             for mid, width in sorted(widths.items()):
-                passed.add_metric([names.get(mid, f"{mid:016x}")], width)
+                model = self._model(names.get(mid, f"{mid:016x}"))
+                if model != OTHER:  # a share of one model's sessions: not summed
+                    passed.add_metric([model], width)
         yield from (decisions, feedback, passed)

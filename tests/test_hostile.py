@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from conftest import LOADMESH, agent_config
 from gossip import wire
 from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
 from gossip.wire import Kind
+from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 
 SERVER = [sys.executable, str(Path(__file__).with_name("probe_servers.py"))]
 PORT = 8000
@@ -187,3 +189,35 @@ def test_healthz_says_starting_until_every_component_has_started(make_agent, run
     assert all(a.startswith((b"HTTP/1.1 503", b"HTTP/1.1 200")) for a in seen)
     assert raw(sock, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n").startswith(
         b"HTTP/1.1 200")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and netns")
+def test_distinct_model_names_fold_into_one_series_past_the_cap(make_agent, run_dir: Path) -> None:
+    port = free_port()
+    with nettopo.veth_netns() as topo, topo.ns.popen(SERVER + ["--port", str(PORT)], ready="ready"):
+        sock = str(run_dir / "loadmesh.sock")
+        agent = make_agent(agent_config(
+            sock, probes=f'interfaces = ["{topo.host_if}"]\nports = [{PORT}]\nrequired = true',
+            metrics=f'{metrics_config(port)}\nmodel_labels = 4'))
+        agent.start().wait_ready(sock)
+        names = [f"m-{i:02d}" for i in range(30)]
+        url = f"http://{topo.ns_v4}:{PORT}/v1/chat/completions"
+        for name in names:
+            body = json.dumps({"model": name, "messages": []}).encode()
+            request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                resp.read()
+
+        def counted() -> bool:
+            s = samples(scrape(port))
+            return sum(v for (name, _), v in s.items() if name == "loadmesh_requests_total") == 30
+
+        wait_for(counted, what="the 30 requests in the exporter")
+        s = samples(scrape(port))
+        models = {dict(labels)["model"] for (name, labels) in s
+                  if name == "loadmesh_requests_total"}
+        assert len(models) == 5 and "(other)" in models, models
+        assert value(s, "loadmesh_metrics_models_folded") == 26
+        other = {"model": "(other)", "endpoint": "chat"}
+        assert value(s, "loadmesh_requests_total", code="200", **other) == 26
+        assert value(s, "loadmesh_time_to_first_byte_seconds_count", **other) == 26

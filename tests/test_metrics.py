@@ -150,7 +150,7 @@ def _agent_view() -> SimpleNamespace:
 
 def test_every_family_reads_the_agents_state_in_base_units() -> None:
     registry = CollectorRegistry()
-    registry.register(AgentCollector(_agent_view()))  # type: ignore[arg-type]
+    registry.register(AgentCollector(_agent_view(), 64))  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
     promtool_check(text)
     s = samples(text)
