@@ -221,3 +221,32 @@ def test_distinct_model_names_fold_into_one_series_past_the_cap(make_agent, run_
         other = {"model": "(other)", "endpoint": "chat"}
         assert value(s, "loadmesh_requests_total", code="200", **other) == 26
         assert value(s, "loadmesh_time_to_first_byte_seconds_count", **other) == 26
+
+
+def test_idle_connections_cannot_keep_real_clients_out(make_agent, run_dir: Path) -> None:
+    # Every slot of both listeners held by connections that never send a byte: the next
+    # client still gets its answer, and the longest-waiting idle one is closed for it.
+    from daemon.api_server import MAX_CONNECTIONS as API_SLOTS
+    from daemon.metrics_server import MAX_CONNECTIONS as METRICS_SLOTS
+
+    port = free_port()
+    sock = str(run_dir / "loadmesh.sock")
+    agent = make_agent(agent_config(sock, metrics=metrics_config(port))).start()
+    agent.wait_ready(sock)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(API_SLOTS):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(sock)
+            idle.append(conn)
+        for _ in range(METRICS_SLOTS):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        for _ in range(3):
+            assert json.loads(loadmesh("status", "--socket", sock, "--json"))["node_id"] == "test-node"
+            assert "loadmesh_node_info" in scrape(port)
+        # The first idle ones were closed for them: they read the end of the stream.
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""
+    finally:
+        for conn in idle:
+            conn.close()
