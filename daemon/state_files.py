@@ -34,10 +34,12 @@ def read_state_file(path: Path, limit: int = 64) -> str | None:
     except OSError as exc:
         _refuse_link(path, exc)
         raise
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise BadStateFile(f"{path}: not a regular file")
-        data = f.read(limit + 1)
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
     if len(data) > limit:
         raise BadStateFile(f"{path}: longer than {limit} bytes")
     try:
@@ -50,7 +52,7 @@ def flag_set(path: Path) -> bool:
     """Whether a flag file (its presence is the flag, its contents do not matter) is set."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no state directory: no flag either
         return False
     if not stat.S_ISREG(mode):
         raise BadStateFile(f"{path}: not a regular file (a flag is an empty file the agent "
