@@ -147,9 +147,11 @@ class Agent:
 
     async def _watchdog(self, interval_s: float) -> None:
         # On the event loop on purpose: a loop stuck in a blocking call stops the pings,
-        # and systemd restarts the agent after WatchdogSec.
+        # and systemd restarts the agent after WatchdogSec. So does a stuck snapshot tick:
+        # a loop that answers while the node's snapshot no longer moves is not alive.
         while True:
-            self.notifier.watchdog()
+            if not self.snapshot.stalled_s:
+                self.notifier.watchdog()
             await asyncio.sleep(interval_s)
 
     def _status_line(self) -> str:

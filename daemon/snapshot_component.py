@@ -34,6 +34,14 @@ from gossip.snapshot import Endpoint, LoadSnapshot
 
 log = logs.get("snapshot")
 
+# A snapshot is built every load.tick_ms (250 ms by default, a minute at most); after
+# this many ticks' time without one, and at least STALLED_MIN_S, the component is
+# degraded and the agent stops petting systemd's watchdog.
+STALLED_TICKS = 4
+STALLED_MIN_S = 10.0
+# How long stop() lets a tick in progress finish (a GPU sample waits 2 s at most).
+STOP_WAIT_S = 3.0
+
 Publish = Callable[[LoadSnapshot, bool], None]
 
 
@@ -94,6 +102,7 @@ class SnapshotComponent:
         self._bands: Callable[[int], tuple[float, float]] | None = None
         self._confirmed_ms: int | None = None
         self._ticked = 0.0
+        self._built: float | None = None  # when the last tick built a snapshot (monotonic)
         probes.on_read(self._read)
         router.add("GET", "/v1/snapshot", self._get_snapshot)
         router.add("POST", "/v1/drain", lambda _: self._set_draining(True))
@@ -161,7 +170,12 @@ class SnapshotComponent:
         self._stopping = True
         self._wake.set()
         if self._task is not None:
-            await self._task
+            # A tick in progress finishes, unless it is stuck: then it is cancelled, and
+            # SIGTERM still stops the agent.
+            _, pending = await asyncio.wait({self._task}, timeout=STOP_WAIT_S)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._listing is not None:
             self._listing.cancel()
@@ -169,7 +183,21 @@ class SnapshotComponent:
             self._listing = None
 
     def health(self) -> Health:
+        stalled = self.stalled_s
+        if stalled:
+            return Health(State.DEGRADED, f"no snapshot built for {stalled:.0f} s: peers "
+                                          f"see this node's last one")
         return self._health
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds since the last snapshot was built, once past the stall mark (something
+        the tick waits for is stuck, or every build fails); 0 while they come."""
+        if self._built is None:
+            return 0.0
+        age = time.monotonic() - self._built
+        mark = max(STALLED_MIN_S, STALLED_TICKS * self.config.load.tick_ms / 1000)
+        return age if age > mark else 0.0
 
     def reconfigure(self, config: Config) -> None:
         """Take a reloaded configuration's serving ports and score settings. The host
@@ -220,6 +248,7 @@ class SnapshotComponent:
             self._host.sample(), gpus, self.probes.model_figures(), self.draining,
             self._lister.listed() if self._lister is not None else None, self._bands)
         self._confirmed_ms = read_ms if read_ms is not None else int(self._ticked * 1000)
+        self._built = time.monotonic()
         if changed:
             for publish in self._subscribers:
                 publish(snap, urgent)

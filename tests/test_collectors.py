@@ -1,4 +1,7 @@
+import asyncio
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -7,8 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from daemon import gpu_component
 from daemon.collectors.gpu import GpuCollector, GpuInfo
 from daemon.collectors.host import HostCollector, read_cpu_pressure
+from daemon.gpu_component import GpuComponent
+from daemon.health import State
 from gossip.snapshot import HostLoad
 
 # --- host --------------------------------------------------------------------------------
@@ -307,3 +313,44 @@ def test_close_shuts_nvml_down_once() -> None:
     assert fake.shutdowns == 1
     assert collector.health[0] == "off"
     assert collector.sample() == []
+
+
+class HangingNvml(FakeNvml):
+    """NVML whose utilisation call blocks until released: a GPU off the bus."""
+
+    def __init__(self) -> None:
+        super().__init__(count=2)
+        self.release = threading.Event()
+        self.hang = False
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
+        if self.hang:
+            self.release.wait(30)
+        return super().nvmlDeviceGetUtilizationRates(h)
+
+
+def test_a_hung_nvml_call_costs_the_tick_a_bounded_wait_and_marks_every_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_component, "SAMPLE_TIMEOUT_S", 0.2)
+    fake = HangingNvml()
+    gpus = GpuComponent(started(fake))
+
+    async def scenario() -> None:
+        assert all(g.healthy for g in await gpus.sample())
+        fake.hang = True
+        began = time.monotonic()
+        loads = await gpus.sample()
+        assert [g.healthy for g in loads] == [False, False]
+        assert gpus.health().state is State.DEGRADED and "NVML" in gpus.health().reason
+        # While the call is stuck, the next ticks do not wait for it, nor start another.
+        assert [g.healthy for g in await gpus.sample()] == [False, False]
+        assert time.monotonic() - began < 1.0
+        fake.hang = False
+        fake.release.set()
+        for _ in range(50):
+            if all(g.healthy for g in await gpus.sample()):
+                break
+            await asyncio.sleep(0.02)
+        assert gpus.health().state is State.OK
+
+    asyncio.run(scenario())

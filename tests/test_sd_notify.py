@@ -3,12 +3,14 @@ starts, pets the watchdog, reloads and stops."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -109,3 +111,30 @@ def test_the_agent_notifies_ready_watchdog_reloading_and_stopping(
     agent.signal(signal.SIGTERM)
     assert agent.wait_exit() == 0
     assert seen("STOPPING=1")
+
+
+def test_the_watchdog_is_petted_only_while_snapshots_are_built(run_dir: Path) -> None:
+    # A loop that still answers while the node's snapshot has stopped moving (a stuck
+    # call in the tick) is not alive: systemd must restart it after WatchdogSec.
+    from daemon.agent import Agent
+    from daemon.config import Config
+
+    agent = Agent(Config(node_id="n0", state_dir=str(run_dir)))
+    pings: list[str] = []
+    agent.notifier = SimpleNamespace(watchdog=lambda: pings.append("WATCHDOG=1"))  # type: ignore[assignment]
+    agent.snapshot = SimpleNamespace(stalled_s=0.0)  # type: ignore[assignment]
+
+    async def run_for(seconds: float) -> int:
+        before = len(pings)
+        task = asyncio.create_task(agent._watchdog(0.01))
+        await asyncio.sleep(seconds)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return len(pings) - before
+
+    async def scenario() -> None:
+        assert await run_for(0.1) > 3
+        agent.snapshot.stalled_s = 12.0  # type: ignore[misc]
+        assert await run_for(0.1) == 0
+
+    asyncio.run(scenario())

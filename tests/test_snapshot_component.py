@@ -7,8 +7,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from daemon import snapshot_component
 from daemon.api_server import Router
 from daemon.config import Config, LoadConfig
+from daemon.health import State
 from daemon.snapshot_component import SnapshotComponent
 
 
@@ -57,3 +61,42 @@ async def _tick_follows_a_read(tmp_path: Path) -> None:
 
 def test_the_tick_follows_the_probes_read(tmp_path: Path) -> None:
     asyncio.run(_tick_follows_a_read(tmp_path))
+
+
+class StuckGpu:
+    """A sample that never returns: what the tick waits for is stuck."""
+
+    def __init__(self) -> None:
+        self.stuck = False
+
+    async def sample(self) -> list[object]:
+        if self.stuck:
+            await asyncio.Event().wait()
+        return []
+
+
+async def _a_stuck_tick_degrades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshot_component, "STALLED_MIN_S", 0.5)
+    monkeypatch.setattr(snapshot_component, "STOP_WAIT_S", 0.2)
+    config = Config(node_id="n0", advertise="10.0.0.1", state_dir=str(tmp_path),
+                    load=LoadConfig(tick_ms=100, list_models_s=0))
+    gpu = StuckGpu()
+    component = SnapshotComponent(config, Probes(), gpu, Router())  # type: ignore[arg-type]
+    await component.start()
+    try:
+        await asyncio.sleep(0.3)
+        assert component.stalled_s == 0 and component.health().state is State.OK
+        gpu.stuck = True
+        deadline = time.monotonic() + 5
+        while not component.stalled_s:
+            assert time.monotonic() < deadline, "the stuck tick was not noticed"
+            await asyncio.sleep(0.05)
+        health = component.health()
+        assert health.state is State.DEGRADED and "no snapshot built for" in health.reason
+    finally:
+        await component.stop()
+
+
+def test_a_stuck_tick_degrades_the_component(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(_a_stuck_tick_degrades(tmp_path, monkeypatch))

@@ -32,7 +32,7 @@ def _text(value: str | bytes) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def _unhealthy(index: int) -> GpuLoad:
+def unhealthy(index: int) -> GpuLoad:
     return GpuLoad(index, 0, 0, 0, 0, 0, 0, 0, 0, healthy=False)
 
 
@@ -103,7 +103,7 @@ class GpuCollector:
             try:
                 loads.append(self._read(i, handle if handle is not None else self._open(i)))
             except nvml.NVMLError as e:
-                loads.append(_unhealthy(i))
+                loads.append(unhealthy(i))
                 failures.append(f"gpu {i}: {e}")
         if self._handles:
             self._set_health(failures)
