@@ -103,6 +103,7 @@ class SnapshotComponent:
         self._confirmed_ms: int | None = None
         self._ticked = 0.0
         self._built: float | None = None  # when the last tick built a snapshot (monotonic)
+        self._drain_error = ""  # why the last drain or undrain could not be kept on disk
         probes.on_read(self._read)
         router.add("GET", "/v1/snapshot", self._get_snapshot)
         router.add("POST", "/v1/drain", lambda _: self._set_draining(True))
@@ -187,6 +188,8 @@ class SnapshotComponent:
         if stalled:
             return Health(State.DEGRADED, f"no snapshot built for {stalled:.0f} s: peers "
                                           f"see this node's last one")
+        if self._drain_error:
+            return Health(State.DEGRADED, self._drain_error)
         return self._health
 
     @property
@@ -255,19 +258,17 @@ class SnapshotComponent:
 
     def _set_draining(self, draining: bool) -> Response:
         self._draining = draining
-        kept = True
         try:
             set_flag(self._drain_flag, draining)
+            self._drain_error = ""
         except (OSError, BadStateFile) as exc:
             # In force all the same (peers hear of it now), but a restart would forget it:
             # the operator must hear that too, from the answer and from the health.
-            kept = False
-            self._health = Health(State.DEGRADED,
-                                  f"drain state not kept ({exc}): it lasts until a restart")
-            log.error("%s", self._health.reason)
+            self._drain_error = f"drain state not kept ({exc}): it lasts until a restart"
+            log.error("%s", self._drain_error)
         log.warning("node %s by the operator", "drained" if draining else "undrained")
         self._wake.set()  # peers must hear of it now, not at the next tick
-        return Response.json({"draining": draining, "kept": kept})
+        return Response.json({"draining": draining, "kept": not self._drain_error})
 
     def model_names(self) -> dict[int, str]:
         """model_id -> name, for the models the probes have seen or the servers list."""

@@ -128,6 +128,11 @@ def test_links_in_the_state_directory_are_never_followed(make_agent, run_dir: Pa
     assert not planted.exists() and victim.read_text() == "precious\n"
     snapshot = json.loads(loadmesh("status", "--socket", sock, "--json"))["components"]["snapshot"]
     assert snapshot["state"] == "degraded" and "symbolic link" in snapshot["reason"]
+    # Kept again (the undrain removes the link itself): the health says so.
+    assert json.loads(loadmesh("undrain", "--socket", sock, "--json"))["kept"] is True
+    snapshot = json.loads(loadmesh("status", "--socket", sock, "--json"))["components"]["snapshot"]
+    assert snapshot["state"] == "ok"
+    (state / "draining").symlink_to(planted)
     agent.kill()
     # At the next start the link is a bad state file: exit 78, naming it.
     again = make_agent(agent_config(sock)).start()
