@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from http import HTTPStatus
 from pathlib import Path
 
@@ -26,11 +26,11 @@ from daemon.http import Request, Response
 from daemon.model_list import ModelLister
 from daemon.probes_component import POLL_S, ProbesComponent
 from daemon.score import ScoreConfig
-from daemon.snapshot_builder import SnapshotBuilder
+from daemon.snapshot_builder import ModelFigures, SnapshotBuilder
 from daemon.snapshot_view import snapshot_json
 from daemon.state_files import BadStateFile, flag_set, set_flag
 from daemon.versioning import ChangeDetector, VersionClock, VersionStore
-from gossip.snapshot import Endpoint, LoadSnapshot
+from gossip.snapshot import Endpoint, GpuLoad, LoadSnapshot
 
 log = logs.get("snapshot")
 
@@ -243,18 +243,32 @@ class SnapshotComponent:
                 log.exception("building the snapshot failed")
 
     async def _tick(self) -> None:
-        assert self._builder is not None
         self._ticked = time.monotonic()
         gpus = await self.gpu.sample()
         read_ms = self.probes.read_ms
-        snap, changed, urgent = self._builder.build(
-            self._host.sample(), gpus, self.probes.model_figures(), self.draining,
-            self._lister.listed() if self._lister is not None else None, self._bands)
+        figures = self.probes.model_figures()
+        listed = self._lister.listed() if self._lister is not None else None
+        # The bands are read here, on the loop whose routing updates step them; the build
+        # (/proc reads, and the version file's fsync once a reserve of versions is used
+        # up) runs in a thread: nothing that blocks on the event loop.
+        bands = None
+        if self._bands is not None:
+            ids = {m.model_id for m in figures}.union(*(listed or {}).values())
+            bands = dict(zip(ids, map(self._bands, ids))).__getitem__
+        snap, changed, urgent = await asyncio.to_thread(self._build, gpus, figures, listed, bands)
         self._confirmed_ms = read_ms if read_ms is not None else int(self._ticked * 1000)
         self._built = time.monotonic()
         if changed:
             for publish in self._subscribers:
                 publish(snap, urgent)
+
+    def _build(self, gpus: list[GpuLoad], figures: Sequence[ModelFigures],
+               listed: Mapping[int, Collection[int]] | None,
+               bands: Callable[[int], tuple[float, float]] | None,
+               ) -> tuple[LoadSnapshot, bool, bool]:
+        assert self._builder is not None
+        return self._builder.build(self._host.sample(), gpus, figures, self.draining, listed,
+                                   bands)
 
     def _set_draining(self, draining: bool) -> Response:
         self._draining = draining

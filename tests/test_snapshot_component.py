@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from daemon.api_server import Router
 from daemon.config import Config, LoadConfig
 from daemon.health import State
 from daemon.snapshot_component import SnapshotComponent
+from daemon.versioning import VersionStore
 
 
 class Probes:
@@ -100,3 +102,28 @@ async def _a_stuck_tick_degrades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_a_stuck_tick_degrades_the_component(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     asyncio.run(_a_stuck_tick_degrades(tmp_path, monkeypatch))
+
+
+class Store(VersionStore):
+    """Records on which thread each save (its fsyncs) ran."""
+
+    saved_on: list[int] = []
+
+    def save(self, version: int) -> None:
+        self.saved_on.append(threading.get_ident())
+        super().save(version)
+
+
+async def _saves_off_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshot_component, "VersionStore", Store)
+    config = Config(node_id="n0", advertise="10.0.0.1", state_dir=str(tmp_path),
+                    load=LoadConfig(tick_ms=100, list_models_s=0))
+    component = SnapshotComponent(config, Probes(), Gpu(), Router())  # type: ignore[arg-type]
+    await component.start()  # the first tick takes the first version: a save
+    await component.stop()
+    assert Store.saved_on and threading.get_ident() not in Store.saved_on
+
+
+def test_the_version_file_is_written_off_the_event_loop(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(_saves_off_the_loop(tmp_path, monkeypatch))
