@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class BadStateFile(Exception):
@@ -28,7 +28,7 @@ def _refuse_link(path: Path, exc: OSError) -> None:
 def read_state_file(path: Path, limit: int = 64) -> str | None:
     """A small state file's text, None when there is none."""
     try:
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -46,6 +46,28 @@ def read_state_file(path: Path, limit: int = 64) -> str | None:
         return data.decode("ascii")
     except UnicodeDecodeError:
         raise BadStateFile(f"{path}: not ASCII text") from None
+
+
+def write_state_file(path: Path, text: str) -> None:
+    """Replaces a state file whole: written to a temporary file, flushed to disk and
+    renamed over the old one, so a crash leaves the old contents or the new, never a torn
+    file. OSError when it cannot."""
+    tmp = path.with_name(path.name + ".tmp")
+    # Whatever is at the temporary name goes (unlinking a link removes the link, not its
+    # target), and the file is created new: O_EXCL never follows a link.
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o640)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    # The rename is durable only once the directory entry is on disk too.
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def flag_set(path: Path) -> bool:
@@ -66,7 +88,7 @@ def set_flag(path: Path, on: bool) -> None:
         path.unlink(missing_ok=True)  # a link is removed, never its target
         return
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | NOFOLLOW, 0o640))
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | _NOFOLLOW, 0o640))
     except OSError as exc:
         _refuse_link(path, exc)
         raise

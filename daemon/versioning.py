@@ -9,13 +9,12 @@ those the node keeps publishing the same version with the same content.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.state_files import NOFOLLOW, BadStateFile, read_state_file
+from daemon.state_files import BadStateFile, read_state_file, write_state_file
 from gossip.snapshot import MAX_CLOCK, LoadSnapshot
 
 log = logging.getLogger(__name__)
@@ -34,9 +33,9 @@ MAX_STORED = MAX_CLOCK // 2
 class VersionStore:
     """The highest version this node may have handed out, kept in one small file.
 
-    Written to a temporary file, flushed to disk and renamed over the old one, so a crash
-    leaves either the old number or the new one, never a torn file: a file that holds
-    anything but such a number was not written by an agent, and load() refuses it.
+    Replaced whole on each save (write_state_file), so a crash leaves either the old
+    number or the new one, never a torn file: a file that holds anything but such a
+    number was not written by an agent, and load() refuses it.
     """
 
     def __init__(self, path: Path) -> None:
@@ -59,22 +58,7 @@ class VersionStore:
         return int(value)
 
     def save(self, version: int) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        # Whatever is at the temporary name goes (unlinking a link removes the link, not
-        # its target), and the file is created new: O_EXCL never follows a link.
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o640)
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            f.write(f"{version}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        # The rename is durable only once the directory entry is on disk too.
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_state_file(self.path, f"{version}\n")
 
 
 class VersionClock:
