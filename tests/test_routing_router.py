@@ -621,3 +621,35 @@ def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         RoutingConfig(degraded_at=0.95)
     assert replace(RoutingConfig(), choices=2).choices == 2
+
+
+def test_candidates_are_rebuilt_only_when_what_they_are_built_from_changes(monkeypatch) -> None:
+    import daemon.routing.router as router_module
+    builds: list[int] = []
+    real = router_module.build
+
+    def counting(*args: object, **kwargs: object) -> object:
+        builds.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(router_module, "build", counting)
+    rows = [row("a"), row("b")]
+    r = router(rows)
+    for step in range(1, 20):  # two seconds of updates, nothing new: no rebuild
+        r.update(rows, NOW + 100 * step)
+    assert len(builds) == 1
+    r.update([row("a", version=2, in_flight=3), row("b")], NOW + 2000)  # a new version
+    r.update([row("a", version=2, in_flight=3), row("b", alive=False)], NOW + 2100)  # b dead
+    assert len(builds) == 3
+    assert picks(r, 5, now=NOW + 2100) == {"a": 5}
+    # A pace remembered is forgotten after its memory: rebuilt then, without a new version.
+    paced = [PeerInput("a", replace(snapshot("a"), models=(ModelLoad(model_id(MODEL), 8000, 10.0, 0.0, 100.0,
+                                                                      200.0, 0, pace_ms=20.0),)), True, 500, None)]
+    r.update(paced, NOW + 3000)
+    quiet = [PeerInput("a", replace(snapshot("a", version=3)), True, 500, None)]
+    r.update(quiet, NOW + 3100)
+    before = len(builds)
+    r.update(quiet, NOW + 3000 + 10_000)
+    assert len(builds) == before
+    r.update(quiet, NOW + 3000 + 10_001)
+    assert len(builds) == before + 1

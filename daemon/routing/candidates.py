@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from daemon.routing.breaker import Breaker
@@ -347,6 +347,14 @@ def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfi
     capacity = _capacity(peer, reference)
     return Candidate(peer, endpoint, service, paces, capacity, capacity * health,
                      max(_MIN_SUCCESS, 1.0 - failing), band)
+
+
+def pace_expiry(peers: Iterable[PeerState], now_ms: int) -> int:
+    """When a pace remembered now is forgotten (_PACE_MEMORY_MS), and build() would
+    give a candidate another: the candidates built now hold until then, unless a
+    snapshot changes."""
+    return min((at + _PACE_MEMORY_MS + 1 for p in peers for _, at in p.paces.values()
+                if now_ms - at <= _PACE_MEMORY_MS), default=now_ms + _PACE_MEMORY_MS)
 
 
 def build(peers: Sequence[PeerState], config: RoutingConfig,

@@ -48,6 +48,7 @@ from daemon.routing.candidates import (
     PeerState,
     RoutingConfig,
     build,
+    pace_expiry,
     static_model_ids,
 )
 from daemon.routing.p2c import OwnShare, draw_exact, order
@@ -135,6 +136,11 @@ class Router:
         self._static_ids = static_model_ids(c)
         self._peers: dict[str, PeerState] = {}
         self._models: dict[int, ModelCandidates] = {}
+        # What the candidates were built from, and until when they hold without it
+        # changing (a pace remembered expires): a table of hundreds of peers serving many
+        # models takes hundreds of ms to build, so it is rebuilt only when it must be.
+        self._built_from: tuple[tuple[str, int, int, bool, int | None], ...] = ()
+        self._rebuild_by = 0
         self._rings: dict[int, HashRing] = {}
         self._ids: dict[str, int] = {}
         self._share = OwnShare(round(c.own_share_half_life_s * 1000), c.own_share_cap)
@@ -150,6 +156,13 @@ class Router:
                 self._peers[node_id] = PeerState(row, now_ms, self.config)
             else:
                 peer.refresh(row, now_ms, self.config)
+        inputs = tuple(sorted((r.node_id, r.snapshot.version, r.snapshot.timestamp_ms, r.alive, r.since_ms)
+                              for r in peers))
+        if inputs == self._built_from and now_ms < self._rebuild_by:
+            self._shed(now_ms)
+            return
+        self._built_from = inputs
+        self._rebuild_by = pace_expiry(self._peers.values(), now_ms)
         self._models = build(list(self._peers.values()), self.config, self._static_ids, now_ms)
         self._fleet_rps = sum(m.rps for p in self._peers.values() if p.alive for m in p.snapshot.models)
         # A ring holds every peer known to serve its model, dead and draining ones too
