@@ -9,8 +9,14 @@ CONFIG  ?=
 setup:
 	bash scripts/setup.sh
 
+# Without CONFIG: a one-node mesh on this host, with a gossip key made on the first run
+# (an open mesh needs gossip.insecure = true: docs/gossip.md, Security).
+DEV_CONFIG := $(VENV)/loadmesh-dev.toml
+
 run: setup
-	$(VENV)/bin/loadmesh agent $(if $(CONFIG),--config $(CONFIG))
+	@[ -e $(VENV)/gossip.key ] || (umask 077; $(PYTHON) -c 'import secrets; print(secrets.token_hex(32))' > $(VENV)/gossip.key)
+	@[ -e $(DEV_CONFIG) ] || printf '[gossip]\nkey_file = "%s"\n' "$(abspath $(VENV))/gossip.key" > $(DEV_CONFIG)
+	$(VENV)/bin/loadmesh agent --config $(or $(CONFIG),$(DEV_CONFIG))
 
 test: setup
 	$(PYTHON) -m pytest

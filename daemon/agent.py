@@ -20,7 +20,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from daemon import logs
 from daemon.api_server import ApiServer, Router
-from daemon.config import EXIT_CONFIG, Config
+from daemon.config import EXIT_CONFIG, Config, open_mesh_refusal
 from daemon.health import Component, State, StartupError
 from daemon.http import Request, Response
 from daemon.gossip_component import GossipComponent
@@ -80,6 +80,10 @@ class Agent:
 
     async def run(self) -> int:
         """Run until a signal; return the process exit code."""
+        refusal = open_mesh_refusal(self.config.gossip)
+        if refusal:
+            log.error("%s", refusal)
+            return EXIT_CONFIG
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         reload_wanted = asyncio.Event()

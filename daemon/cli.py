@@ -101,6 +101,10 @@ def cmd_best(args: argparse.Namespace) -> int:
 
 def cmd_config_check(args: argparse.Namespace) -> int:
     config = config_mod.load(args.file)
+    refusal = config_mod.open_mesh_refusal(config.gossip)
+    if refusal:
+        print(f"{args.file}: {refusal}", file=sys.stderr)
+        return config_mod.EXIT_CONFIG
     print(f"{args.file}: ok (node_id {config.node_id})")
     return 0
 

@@ -187,7 +187,9 @@ class GossipConfig:
     interval_ms: int = _key(500, _between(10, 60_000), "gossip round period")
     fanout: int = _key(3, _between(1, 64), "peers contacted each round")
     key_file: str = _key("", _optional_path, "HMAC keys, one per line, the first signs "
-                         "(empty: an open mesh)")
+                         "(empty: an open mesh, see insecure)")
+    insecure: bool = _key(False, doc="allow an open mesh (no key_file) on an address other "
+                          "hosts reach: anyone there can then publish snapshots and node ids")
     discovery: bool = _key(False, doc="find peers on the LAN by mDNS (_loadmesh._udp.local.)")
     # The defaults are the gossip package's, chosen by measurement (docs/gossip.md).
     max_datagram: int = _key(_GOSSIP.max_datagram, _between(512, 65_507),
@@ -198,6 +200,8 @@ class GossipConfig:
                               "... and dead (not routed to)")
     reap_after_ms: int = _key(_GOSSIP.reap_after_ms, _between(1000, 86_400_000), "... and forgotten")
     max_peers: int = _key(_GOSSIP.max_peers, _between(1, 1_000_000), "bound of the peer table")
+    max_table_bytes: int = _key(_GOSSIP.max_table_bytes, _between(64 << 10, 1 << 30),
+                                "bound of the peers' snapshot encodings held")
 
     def __post_init__(self) -> None:
         if not self.suspect_after_ms < self.dead_after_ms < self.reap_after_ms:
@@ -206,6 +210,20 @@ class GossipConfig:
         if self.suspect_after_ms <= _GOSSIP.beat_interval_ms:
             raise ValueError(f"suspect_after_ms must be above the beat interval "
                              f"({_GOSSIP.beat_interval_ms} ms)")
+
+
+def open_mesh_refusal(gossip: GossipConfig) -> str:
+    """Why the agent must not start with this gossip section, or "".
+
+    An open mesh is a choice, not a default: anyone who reaches the port can publish
+    snapshots and node ids that steer every host's routing. A loopback address is
+    reachable from this host only."""
+    host, _ = split_host_port(gossip.bind, allow_any_port=True)
+    if gossip.key_file or gossip.insecure or ipaddress.ip_address(host).is_loopback:
+        return ""
+    return (f"gossip: no key_file, and {gossip.bind} is open to other hosts: set gossip.key_file "
+            "(one key for the mesh, made by `openssl rand -hex 32`) or gossip.insecure = true "
+            "for an open mesh")
 
 
 @dataclass(frozen=True)
@@ -390,5 +408,5 @@ def _toml_value(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-__all__ = ["EXIT_CONFIG", "Config", "ConfigError", "ProbesConfig", "GossipConfig", "ApiConfig",
+__all__ = ["EXIT_CONFIG", "Config", "open_mesh_refusal", "ConfigError", "ProbesConfig", "GossipConfig", "ApiConfig",
            "MetricsConfig", "LoadConfig", "RoutingConfig", "parse", "load", "split_host_port", "defaults_toml"]

@@ -33,6 +33,7 @@ def gossip_params(config: GossipConfig) -> GossipParams:
         dead_after_ms=config.dead_after_ms,
         reap_after_ms=config.reap_after_ms,
         max_peers=config.max_peers,
+        max_table_bytes=config.max_table_bytes,
     )
 
 
@@ -81,6 +82,7 @@ class GossipComponent:
         if current is not None:
             service.publish(current, urgent=True)
         self.snapshot.subscribe(service.publish)
+        self.snapshot.outrun(service.newest_own_seen)
 
     async def stop(self) -> None:
         if self.service is not None:
@@ -114,6 +116,7 @@ class GossipComponent:
             return Response.json({"address": None, "counters": {}})
         host, port = self.service.address
         return Response.json({"address": format_addr((host, port)),
+                              "table_bytes": self.service.table_bytes(),
                               "counters": self.service.counters()})
 
     def _peers(self, _: Request) -> Response:

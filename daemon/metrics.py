@@ -299,8 +299,11 @@ class AgentCollector(Collector):
         events = CounterMetricFamily("loadmesh_gossip_events", "Other gossip protocol events "
                                      "(pulls, syncs, peer state changes, socket errors).",
                                      labels=["event"])
+        table = GaugeMetricFamily("loadmesh_gossip_table_bytes", "Bytes of peers' snapshot "
+                                  "encodings held (bounded by gossip.max_table_bytes).")
         service = self.agent.gossip.service
         if service is not None:
+            table.add_metric([], service.table_bytes())
             by_state = dict.fromkeys((s.value for s in PeerState), 0)
             for peer in service.peers():
                 if peer["node_id"] != self.agent.node_id:
@@ -315,7 +318,7 @@ class AgentCollector(Collector):
                     dropped.add_metric([key.removeprefix(_DROP)], n)
                 elif key not in _GOSSIP_TRAFFIC:
                     events.add_metric([key], n)
-        yield from (peers, *traffic.values(), dropped, events)
+        yield from (peers, table, *traffic.values(), dropped, events)
 
     def _routing(self) -> Iterator[Metric]:
         routing = self.agent.routing

@@ -18,7 +18,7 @@ from daemon.score import (
     instant_score,
     state_for,
 )
-from daemon.versioning import ChangeDetector, VersionClock, wall_ms
+from daemon.versioning import Change, ChangeDetector, VersionClock, wall_ms
 from gossip.snapshot import (
     MAX_GPUS,
     MAX_IN_FLIGHT,
@@ -138,12 +138,14 @@ class SnapshotBuilder:
         draining: bool = False,
         listed: Mapping[int, Collection[int]] | None = None,
         bands: Callable[[int], tuple[float, float]] | None = None,
+        outrun: int = 0,
     ) -> tuple[LoadSnapshot, bool, bool]:
         """(snapshot to publish, whether its version is new, whether peers need it now).
         listed: port -> the model_ids its server lists (daemon/model_list.py); those
         without traffic yet get an entry with none, so that peers know this node serves
         them. bands: model_id -> this node's band of passed-on sessions, (start, width)
-        (daemon/routing/shed.py)."""
+        (daemon/routing/shed.py). outrun: the highest version of this node that peers
+        hold; at or above this node's next one, the next version goes above it at once."""
         loads = [_model_load(m) for m in models]
         seen = {m.key for m in loads}
         for port, ids in (listed or {}).items():
@@ -174,6 +176,12 @@ class SnapshotBuilder:
             models=tuple(loads),
         )
         change = self._detector.compare(self._published, candidate)
+        if outrun >= candidate.version:
+            # Peers hold a version of this node above its own (a previous incarnation's
+            # clock ran ahead, or someone forged it): until this node publishes above
+            # it, they ignore its real versions.
+            self._versions.skip_past(outrun)
+            change = Change(True, True, f"peers hold version {outrun} of this node")
         if not change.material and self._published is not None:
             return self._published, False, False
         self._published = replace(candidate, version=self._versions.take())

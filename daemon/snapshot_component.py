@@ -100,6 +100,7 @@ class SnapshotComponent:
         self._lister: ModelLister | None = None
         self._listing: asyncio.Task[None] | None = None
         self._bands: Callable[[int], tuple[float, float]] | None = None
+        self._outrun: Callable[[], int] = lambda: 0
         self._confirmed_ms: int | None = None
         self._ticked = 0.0
         self._built: float | None = None  # when the last tick built a snapshot (monotonic)
@@ -117,6 +118,11 @@ class SnapshotComponent:
         """Put `bands(model_id)`, this node's band of passed-on sessions for the model
         (daemon/routing/shed.py), in each snapshot."""
         self._bands = bands
+
+    def outrun(self, newest_seen: Callable[[], int]) -> None:
+        """`newest_seen()`: the highest version of this node that peers hold; each
+        tick publishes above it when it is not below this node's next version."""
+        self._outrun = newest_seen
 
     @property
     def current(self) -> LoadSnapshot | None:
@@ -255,7 +261,8 @@ class SnapshotComponent:
         if self._bands is not None:
             ids = {m.model_id for m in figures}.union(*(listed or {}).values())
             bands = dict(zip(ids, map(self._bands, ids))).__getitem__
-        snap, changed, urgent = await asyncio.to_thread(self._build, gpus, figures, listed, bands)
+        snap, changed, urgent = await asyncio.to_thread(self._build, gpus, figures, listed, bands,
+                                                        self._outrun())
         self._confirmed_ms = read_ms if read_ms is not None else int(self._ticked * 1000)
         self._built = time.monotonic()
         if changed:
@@ -264,11 +271,11 @@ class SnapshotComponent:
 
     def _build(self, gpus: list[GpuLoad], figures: Sequence[ModelFigures],
                listed: Mapping[int, Collection[int]] | None,
-               bands: Callable[[int], tuple[float, float]] | None,
+               bands: Callable[[int], tuple[float, float]] | None, outrun: int,
                ) -> tuple[LoadSnapshot, bool, bool]:
         assert self._builder is not None
         return self._builder.build(self._host.sample(), gpus, figures, self.draining, listed,
-                                   bands)
+                                   bands, outrun)
 
     def _set_draining(self, draining: bool) -> Response:
         self._draining = draining

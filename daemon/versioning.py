@@ -89,6 +89,10 @@ class VersionClock:
         """The version the next take() returns."""
         return self._next
 
+    def skip_past(self, version: int) -> None:
+        """Hand out only versions above `version` from now on (peers hold it)."""
+        self._next = max(self._next, version + 1)
+
     def take(self) -> int:
         version = self._next
         if self._store and version > self._reserved:

@@ -56,14 +56,26 @@ class GossipParams:
     push_pull_interval_ms: int = 30_000
     dead_sync_interval_ms: int = 10_000
     join_retry_ms: int = 2_000
-    # Bounds on what peers can make this node hold or do.
+    # Bounds on what peers can make this node hold or do (membership.py: which peer gives
+    # way when the table is full). Bytes are of snapshot encodings, each peer's and the
+    # one before it; decoded, a snapshot takes up to ~20x its encoding in memory, so the
+    # default holds the table under ~100 MB whatever peers send (a 4-GPU, 2-model snapshot
+    # is ~230 bytes; 16 GPUs and 64 models ~2-8 KB).
     max_peers: int = 4096
+    max_table_bytes: int = 2 << 20
+    anchors_per_source: int = 8
     rate_per_source: float = 500.0
     rate_burst: float = 1000.0
     max_sources: int = 16_384
-    # A snapshot stamped further in the future than this (by the receiver's wall clock)
-    # is dropped: it would otherwise shadow its owner's real updates.
+    # How far the mesh's wall clocks may disagree. A snapshot stamped further in the
+    # future than this (by the receiver's clock) is dropped: it would shadow its owner's
+    # real updates; so is a version above the receiver's clock in ms plus this (versions
+    # are seeded from the owner's clock and move by one a change), and a datagram whose
+    # seq is further than this from the receiver's clock either way (a replay).
     max_clock_skew_ms: int = 30_000
+    # The secret behind the address tokens rotates this often; a token stays good for
+    # one to two periods (gossip/cookies.py).
+    cookie_epoch_ms: int = 60_000
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -74,14 +86,14 @@ class GossipParams:
                 raise ValueError(f"{f.name}: must be a finite number >= 0, got {value!r}")
         if not 0 <= self.jitter < 1:
             raise ValueError(f"jitter: must be in [0, 1), got {self.jitter}")
-        # 13 bytes of header, 16 of tag, and room for at least one announcement.
+        # 29 bytes of header, 16 of tag, and room for at least one announcement.
         if not 64 <= self.max_datagram <= 65_507:
             raise ValueError(f"max_datagram: must be 64..65507, got {self.max_datagram}")
         for name in ("interval_ms", "fanout", "retransmit_mult", "max_datagrams_per_peer",
                      "beat_interval_ms", "scale_nodes", "suspect_after_ms", "pull_timeout_ms",
                      "push_pull_interval_ms", "dead_sync_interval_ms", "join_retry_ms",
-                     "max_peers", "rate_per_source", "rate_burst", "max_sources", "urgent_relays_per_s",
-                     "probe_interval_ms"):
+                     "max_peers", "max_table_bytes", "anchors_per_source", "rate_per_source", "rate_burst", "max_sources", "urgent_relays_per_s",
+                     "probe_interval_ms", "cookie_epoch_ms", "max_clock_skew_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
         if not self.suspect_after_ms < self.dead_after_ms < self.reap_after_ms:

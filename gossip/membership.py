@@ -18,12 +18,20 @@ States follow `fresh_at`: alive, suspect after suspect_after without news, dead 
 dead_after (out of routing and of the gossip targets), forgotten after reap_after. The
 table keeps one insertion-ordered dict per state, ordered by fresh_at, so each sweep
 only looks at the peers whose deadline has come.
+
+Bounds: at most max_peers peers and max_bytes of snapshot encodings (each peer's and the
+one before it, kept to answer pulls with deltas). When full, a newcomer takes a dead
+peer's place; failing that, a newcomer *anchored* by its own datagrams (proven to come
+from its address) takes the place of the stalest peer nobody has heard from directly.
+An address anchors at most anchors_per_source nodes, so ids forged by one host cannot
+anchor themselves past that, and cannot keep a real node out however many they are.
 """
 
 from __future__ import annotations
 
 import enum
 import random
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -56,6 +64,13 @@ class Peer:
     prev_content: bytes = b""
     delta: bytes | None = None
     observed: Addr | None = None
+    # The source (gossip.ratelimit.source_key) whose proven datagrams carried this node's
+    # own word; None while it is known only from others.
+    anchor: str | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.content) + len(self.prev_content)
 
     @property
     def gossip_addr(self) -> Addr:
@@ -72,9 +87,16 @@ StateHook = Callable[[Peer, "PeerState | None", "PeerState | None", int], None]
 
 
 class PeerTable:
-    def __init__(self, max_peers: int, on_state: StateHook | None = None) -> None:
+    def __init__(self, max_peers: int, on_state: StateHook | None = None, max_bytes: int = 1 << 62,
+                 anchors_per_source: int = 8) -> None:
         self.max_peers = max_peers
+        self.max_bytes = max_bytes
+        self.anchors_per_source = anchors_per_source
+        self.bytes = 0
+        self.refused = 0  # contents that did not fit, room made or not
         self._on_state = on_state
+        self._anchors: Counter[str] = Counter()
+        self._anchored = 0
         self._peers: dict[int, Peer] = {}
         self._by_state: dict[PeerState, dict[int, None]] = {s: {} for s in PeerState}
         self._alive, self._suspect, self._dead = self._by_state.values()
@@ -112,8 +134,12 @@ class PeerTable:
             return False
         fresh = direct or version > peer.version
         peer.version, peer.beat = version, beat
-        if not fresh:
-            return True
+        if fresh:
+            self.touch(peer, now)
+        return True
+
+    def touch(self, peer: Peer, now: int) -> None:
+        """The peer is alive as of now."""
         peer.fresh_at = now
         old = peer.state
         del self._by_state[old][peer.key]
@@ -123,28 +149,97 @@ class PeerTable:
             if old is PeerState.DEAD:
                 self._add_live(peer.key)
             self._notify(peer, old, PeerState.ALIVE, now)
+
+    # --- bounds ------------------------------------------------------------------------------
+
+    def anchor(self, peer: Peer, source: str) -> None:
+        """The node's own proven datagram came from `source`: anchor it there, unless
+        that source already anchors anchors_per_source others."""
+        if peer.anchor == source or self._anchors[source] >= self.anchors_per_source:
+            return
+        self._release(peer)
+        peer.anchor = source
+        self._anchors[source] += 1
+        self._anchored += 1
+
+    def _release(self, peer: Peer) -> None:
+        if peer.anchor is not None:
+            self._anchors[peer.anchor] -= 1
+            if not self._anchors[peer.anchor]:
+                del self._anchors[peer.anchor]
+            self._anchored -= 1
+            peer.anchor = None
+
+    def full(self, extra_bytes: int = 0, entries: int = 0) -> bool:
+        return len(self._peers) + entries > self.max_peers or self.bytes + extra_bytes > self.max_bytes
+
+    def _may_anchor(self, anchor: str | None) -> bool:
+        return anchor is not None and self._anchors[anchor] < self.anchors_per_source
+
+    def may_make_room(self, anchor: str | None) -> bool:
+        """Whether a newcomer could get in: room, a dead peer to replace, or, for one
+        that its own datagram from `anchor` would anchor, a peer never heard directly."""
+        if not self.full(entries=1) or self._dead:
+            return True
+        return self._may_anchor(anchor) and self._anchored < len(self._peers)
+
+    def room_for(self, extra_bytes: int, anchored: bool, now: int, entries: int = 0,
+                 keep: int | None = None) -> bool:
+        """Make room for `extra_bytes` more (and `entries` more peers), evicting dead
+        peers first, then, for an `anchored` claimant, the stalest unanchored ones (never
+        `keep`); False when that is not enough."""
+        while self.full(extra_bytes, entries):
+            victim = next((k for k in self._dead if k != keep), None)
+            if victim is None and anchored:
+                victim = next((k for bucket in (self._suspect, self._alive) for k in bucket
+                               if k != keep and self._peers[k].anchor is None), None)
+            if victim is None:
+                return False
+            self._remove(self._peers[victim], now)
+        return True
+
+    def rewind_key(self, peer: Peer) -> bool:
+        """Bring a key that ran ahead of the content back to the content's version;
+        False when it had not."""
+        if peer.version <= peer.snapshot.version:
+            return False
+        peer.version, peer.beat = peer.snapshot.version, 0
         return True
 
     def merge_content(self, key: int, snap: LoadSnapshot, content: bytes, beat: int, addr: Addr,
-                      urgent: bool, now: int, delta: bytes | None = None, direct: bool = False) -> Peer | None:
+                      urgent: bool, now: int, delta: bytes | None = None, direct: bool = False,
+                      anchor: str | None = None) -> Peer | None:
         """Store the content if it is newer than the one held; the peer when it was.
 
-        A node not yet in the table is added, unless the table is full and holds no dead
-        peer to make room; None then too (the caller counts it)."""
+        A node not yet in the table is added if there is room or room can be made (see
+        the module's doc; `anchor`: the source of the node's own datagram carrying it);
+        None when not, or when a newer content does not fit (the caller counts it)."""
         peer = self._peers.get(key)
         if peer is None:
-            if len(self._peers) >= self.max_peers and not self._evict_dead(now):
+            if not self.room_for(len(content), self._may_anchor(anchor), now, entries=1):
+                self.refused += 1
                 return None
             peer = Peer(snap.node_id, key, snap.version, beat, now, PeerState.ALIVE, snap,
                         content, urgent, addr)
             self._peers[key] = peer
+            self.bytes += peer.size
             self._by_state[PeerState.ALIVE][key] = None
             self._add_live(key)
+            if anchor is not None:
+                self.anchor(peer, anchor)
             self._notify(peer, None, PeerState.ALIVE, now)
             return peer
         stored = content_order(snap, content) > content_order(peer.snapshot, peer.content)
         if stored:
-            peer.prev_version, peer.prev_content = peer.snapshot.version, peer.content
+            mine = peer.anchor is not None
+            # The content before is kept to answer pulls with deltas, when there is room
+            # without pushing anyone out: it is only a saving of bytes on the wire.
+            prev = b"" if self.full(len(content) + len(peer.content) - peer.size) else peer.content
+            if not prev and not self.room_for(len(content) - peer.size, mine, now, keep=key):
+                self.refused += 1
+                return None
+            self.bytes += len(content) + len(prev) - peer.size
+            peer.prev_version, peer.prev_content = (peer.snapshot.version, prev) if prev else (-1, b"")
             peer.snapshot, peer.content, peer.urgent, peer.delta = snap, content, urgent, delta
             peer.addr = addr
         # Even old content may come with a beat that is news.
@@ -219,15 +314,10 @@ class PeerTable:
             self._live[i] = last
             self._live_at[last] = i
 
-    def _evict_dead(self, now: int) -> bool:
-        dead = self._by_state[PeerState.DEAD]
-        if not dead:
-            return False
-        self._remove(self._peers[next(iter(dead))], now)
-        return True
-
     def _remove(self, peer: Peer, now: int) -> None:
         del self._peers[peer.key]
+        self.bytes -= peer.size
+        self._release(peer)
         del self._by_state[peer.state][peer.key]
         if peer.state is not PeerState.DEAD:
             self._drop_live(peer.key)

@@ -26,14 +26,23 @@ How news travels (docs/gossip.md has the figures):
 
 Every node sends each live peer a beat directly, once per beat_interval: its version,
 vouched for as of now. Peers judge liveness only by when they received a newer version,
-or a later beat from the node itself, by their own clock (a beat relayed by a third node
+or any datagram from the node itself, by their own clock (a beat relayed by a third node
 says nothing about now); a peer that turns suspect is asked directly for a fresh beat
 (gossip/suspicion.py), so lost beats do not kill a live node.
+
+Against a hostile network (docs/gossip.md, Security): a datagram is acted on only when
+its source address is proven (gossip/cookies.py) and its seq is fresh and new
+(gossip/replay.py); anything else gets at most a cookie no larger than itself. Versions
+beyond what a clock could have produced are refused; a version announced but never
+served is forgotten when its pulls give up; a node's own datagrams keep it alive whatever
+key its peers hold for it; and a node that hears of a version of itself above its own
+asks its owner (the daemon) to publish above it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import random
 import zlib
 from collections import Counter
@@ -45,11 +54,13 @@ from gossip import wire
 from gossip.broadcasts import BroadcastQueue
 from gossip.codec import ContentCodec
 from gossip.config import GossipParams
+from gossip.cookies import AddressCookies, PeerTokens
 from gossip.delta import DeltaError
 from gossip.keyring import Keyring
 from gossip.membership import Addr, Peer, PeerState, PeerTable
 from gossip.pulls import PullTracker
-from gossip.ratelimit import SourceLimiter, TokenBucket
+from gossip.ratelimit import SourceLimiter, TokenBucket, source_key
+from gossip.replay import ReplayGuard
 from gossip.snapshot import LoadSnapshot, SnapshotError, encode
 from gossip.suspicion import Prober
 from gossip.wire import DeltaRecord, FullRecord, Kind, WireError
@@ -62,8 +73,11 @@ node_key = functools.lru_cache(maxsize=65_536)(wire.node_key)
 # Counters that exist from the start, so that a scrape sees zeros rather than gaps.
 _BASE_COUNTERS = (
     "datagrams_sent", "bytes_sent", "datagrams_received", "bytes_received", "records_stored",
-    "pulls_sent", "urgent_relays", "syncs_sent", "beats_sent",
+    "pulls_sent", "urgent_relays", "syncs_sent", "beats_sent", "cookies_sent", "resent",
 )
+# At most this many datagrams kept to send again when a new address answers with a
+# cookie: first contacts only, so a few per peer joining at once.
+_MAX_PENDING = 256
 
 
 class Observer(Protocol):
@@ -105,14 +119,24 @@ class GossipCore:
         self.params = params
         self.keyring = keyring
         self.rng = rng or random.Random()
+        # Cookie secrets must be unguessable; a seeded rng (simulator, tests) keeps runs
+        # repeatable instead.
+        secret = rng.randbytes if rng is not None else os.urandom
         self.codec = codec or ContentCodec()
         self.observer = observer
-        # Wall clock = monotonic now + this; the driver keeps it current. Only used to
-        # refuse snapshots stamped in the future.
+        # Wall clock = monotonic now + this; the driver keeps it current. Used for what
+        # peers' clocks stamp: seqs, snapshot times, and the versions they may publish.
         self.wall_offset_ms = wall_offset_ms
-        self.table = PeerTable(params.max_peers, self._on_state)
+        self.table = PeerTable(params.max_peers, self._on_state, params.max_table_bytes, params.anchors_per_source)
         self.queue = BroadcastQueue()
         self.limiter = SourceLimiter(params.rate_per_source, params.rate_burst, params.max_sources)
+        self.cookies = AddressCookies(secret, params.cookie_epoch_ms, params.max_sources)
+        self.tokens = PeerTokens(params.cookie_epoch_ms, params.max_sources, _MAX_PENDING)
+        self.replay = ReplayGuard(params.max_clock_skew_ms * 1000, params.max_sources)
+        self._seq = 0
+        # The highest version of this node that peers hold (0: none above its own): the
+        # daemon publishes above it (a previous incarnation's, or a forged one).
+        self.newest_own_seen = 0
         self._relay_budget = TokenBucket(params.urgent_relays_per_s, 2 * params.urgent_relays_per_s)
         self._timers_for = self._limit_for = -1
         self._limit = 0  # retransmit limit of an announcement, for the mesh's size
@@ -189,8 +213,16 @@ class GossipCore:
         self.table.sweep(now, suspect, dead, reap)
         out: Outgoing = []
         again: dict[Addr, list[tuple[int, int]]] = {}
-        for addr, key, have in self.pulls.due(now):
+        due, abandoned = self.pulls.due(now)
+        for addr, key, have in due:
             again.setdefault(addr, []).append((key, have))
+        for key in abandoned:
+            # Nobody served the version announced: forget it, so that the key does not
+            # stand above every real version (one datagram could otherwise wedge a node)
+            # and the next announcement of it starts a pull again.
+            peer = self.table.get(key)
+            if peer is not None and self.table.rewind_key(peer):
+                self.counts["keys_rewound"] += 1
         for addr, wants in again.items():
             self.counts["pull_retries"] += len(wants)
             out += self._pull(addr, wants)
@@ -278,8 +310,7 @@ class GossipCore:
             return []
         self._beat_credit -= share
         self._vouch(now)
-        datagram = wire.seal(Kind.GOSSIP, self.key,
-                             wire.pack_entries([(self.key, self._own.version, self._own_beat)]), self.keyring)
+        body = wire.pack_entries([(self.key, self._own.version, self._own_beat)])
         out: Outgoing = []
         refilled = False
         while len(out) < share:
@@ -292,7 +323,7 @@ class GossipCore:
             peer = self.table.get(self._beat_order[self._beat_next])
             self._beat_next += 1
             if peer is not None and peer.state is not PeerState.DEAD:
-                out.append((peer.gossip_addr, datagram))
+                out.append((peer.gossip_addr, self._seal(Kind.GOSSIP, peer.gossip_addr, body)))
         self.counts["beats_sent"] += len(out)
         return self._count_sent(out)
 
@@ -355,16 +386,31 @@ class GossipCore:
         counts = self.counts
         counts["datagrams_received"] += 1
         counts["bytes_received"] += len(data)
-        if not self.limiter.allow(addr, now):
+        if not self.limiter.allow(source_key(addr), now):
             return self._drop("rate_limited")
         try:
             dg = wire.open_datagram(data, self.keyring, self.params.max_datagram)
             if dg.sender == self.key:
                 # Our own key from elsewhere: a looped datagram or a second node with our id.
                 return self._drop("own_node_id")
+            if self.replay.stale(dg.seq, (now + self.wall_offset_ms) * 1000):
+                return self._drop("stale")
+            proven = self.cookies.valid(addr, dg.echo, now)
+            self.tokens.learn(addr, dg.token, proven, now)
+            if not proven:
+                # Never answer a cookie with a cookie: two nodes would bounce them forever.
+                return self._drop("unproven_cookie") if dg.kind is Kind.COOKIE else self._cookie(addr, len(data))
+            if not self.replay.first_time((dg.sender, addr), dg.seq):
+                return self._drop("replayed")
+            if dg.kind is Kind.COOKIE:
+                return self._resend(addr)
             peer = self.table.get(dg.sender)
             if peer is not None:
+                # A proven, fresh datagram from the node itself: it is alive and
+                # receives here, whatever key its peers hold for it.
                 peer.observed = addr
+                self.table.touch(peer, now)
+                self.table.anchor(peer, source_key(addr))
             if dg.kind is Kind.GOSSIP:
                 return self._on_gossip(dg, addr, now)
             if dg.kind is Kind.SYNC:
@@ -374,6 +420,22 @@ class GossipCore:
             return self._on_content(dg, len(data), addr, now)
         except WireError as e:
             return self._drop(e.reason)
+
+    def _cookie(self, addr: Addr, size: int) -> Outgoing:
+        """The answer to a datagram from an address not proven: a token to echo, no
+        larger than the datagram itself, and nothing else."""
+        self.counts["unproven_source"] += 1
+        cookie = self._seal(Kind.COOKIE, addr, b"")
+        if len(cookie) > size:
+            return []
+        self.counts["cookies_sent"] += 1
+        return self._count_sent([(addr, cookie)])
+
+    def _resend(self, addr: Addr) -> Outgoing:
+        """`addr` proved itself with a cookie: what it refused goes again, now echoing."""
+        pending = self.tokens.take_pending(addr)
+        self.counts["resent"] += len(pending)
+        return self._count_sent([(addr, self._seal(Kind(kind), addr, body, flags)) for kind, flags, body in pending])
 
     def _drop(self, reason: str) -> Outgoing:
         self.counts["drop_" + reason] += 1
@@ -390,7 +452,7 @@ class GossipCore:
             # than by chance.
             reply = self.queue.take(self._entry_cap, first=self.key, skip=self._known_to_sender(entries))
             if reply:
-                out += self._count_sent([(addr, wire.seal(Kind.GOSSIP, self.key, wire.pack_entries(reply), self.keyring))])
+                out += self._count_sent([(addr, self._seal(Kind.GOSSIP, addr, wire.pack_entries(reply)))])
         return out
 
     def _known_to_sender(self, entries: list[tuple[int, int, int]]) -> set[int]:
@@ -410,29 +472,54 @@ class GossipCore:
         """Take the news in announcements from `sender`; the (key, version held) to pull."""
         wants: list[tuple[int, int]] = []
         table, get, own_key = self.table, self.table.get, self.key
+        ceiling = self._ceiling(now)
         for k, v, b in entries:
             peer = get(k)
             if peer is not None:
                 known = peer.version
-                if v < known or (v == known and b <= peer.beat):
-                    continue  # old news, by far the most common case
                 held = peer.snapshot.version
+                if v < known or (v == known and b <= peer.beat):
+                    # Old news, by far the most common case. Under a key that ran ahead
+                    # of the content (announced, never served), a version above the
+                    # content is still worth a pull.
+                    if v > held and self.pulls.want(k, v, held, addr, now):
+                        wants.append((k, held))
+                    continue
+                if v > ceiling or (v == held and peer.snapshot.timestamp_ms + b > ceiling):
+                    self.counts["drop_implausible"] += 1
+                    continue
                 table.merge_key(peer, v, b, now, k == sender)
                 if v > held and self.pulls.want(k, v, held, addr, now):
                     wants.append((k, held))
+            elif v > ceiling:
+                self.counts["drop_implausible"] += 1
             elif k == own_key:
-                own = self._own
-                if own is not None and (v > own.version or (v == own.version and b > self._own_beat)):
-                    # A peer has a newer version of this node than it has itself: a
-                    # previous incarnation with a clock ahead. Counted; only a higher
-                    # version from this node's version clock can win over it.
-                    self.counts["own_newer_seen"] += 1
-            elif self._room_for_new() and self.pulls.want(k, v, 0, addr, now):
+                self._own_seen(v)
+            elif (self._room_for_new(source_key(addr) if k == sender else None)
+                  and self.pulls.want(k, v, 0, addr, now)):
                 wants.append((k, 0))
         return wants
 
-    def _room_for_new(self) -> bool:
-        if len(self.table) < self.params.max_peers or self.table.count(PeerState.DEAD):
+    def _ceiling(self, now: int) -> int:
+        """The highest wall-clock time in ms, and so the highest version (versions start
+        at their owner's clock and move by one a change), that a peer whose clock agrees
+        with this node's within max_clock_skew_ms could have produced by now."""
+        return now + self.wall_offset_ms + self.params.max_clock_skew_ms
+
+    def _own_seen(self, version: int) -> None:
+        """A peer holds `version` of this node. Above this node's own (a previous
+        incarnation whose clock ran ahead, or a forgery), its real versions would lose
+        to it everywhere: the owner must publish above it. Implausible versions never
+        get here."""
+        own = self._own
+        if own is not None and version > own.version:
+            self.counts["own_newer_seen"] += 1
+            self.newest_own_seen = max(self.newest_own_seen, version)
+
+    def _room_for_new(self, anchor: str | None) -> bool:
+        """Whether a node not in the table could get in (membership.py: bounds);
+        `anchor`: the source of the node's own datagram, if that is what named it."""
+        if self.table.may_make_room(anchor):
             return True
         self.counts["drop_table_full"] += 1
         return False
@@ -441,7 +528,7 @@ class GossipCore:
         out: Outgoing = []
         cap = self._want_cap
         for i in range(0, len(wants), cap):
-            out.append((addr, wire.seal(Kind.PULL, self.key, wire.pack_wants(wants[i:i + cap]), self.keyring)))
+            out.append((addr, self._seal(Kind.PULL, addr, wire.pack_wants(wants[i:i + cap]))))
         self.counts["pulls_sent"] += len(out)
         return self._count_sent(out)
 
@@ -461,7 +548,7 @@ class GossipCore:
         out = self._content_to([addr], records)
         if probed and self._own is not None:
             entry = wire.pack_entries([(self.key, self._own.version, self._own_beat)])
-            out += self._count_sent([(addr, wire.seal(Kind.GOSSIP, self.key, entry, self.keyring))])
+            out += self._count_sent([(addr, self._seal(Kind.GOSSIP, addr, entry))])
         return out
 
     def _on_sync(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
@@ -495,12 +582,13 @@ class GossipCore:
             snap = self.codec.snapshot(rec.content)
         except SnapshotError:
             return self._drop("bad_snapshot")
+        if snap.version > self._ceiling(now):
+            return self._drop("implausible")
         key = node_key(snap.node_id)
         if key == self.key:
             if snap.node_id != self.node_id:
                 return self._drop("key_collision")
-            if self._own is not None and snap.version > self._own.version:
-                self.counts["own_newer_seen"] += 1
+            self._own_seen(snap.version)
             return []
         peer = self.table.get(key)
         if peer is not None and peer.node_id != snap.node_id:
@@ -514,10 +602,13 @@ class GossipCore:
         held = peer.snapshot.version if peer is not None else 0
         if rec.version <= held:
             return []
+        if rec.version > self._ceiling(now):
+            return self._drop("implausible")
         if peer is None or held != rec.base_version:
             # Not applicable here: fetch the version from the sender instead.
             self.counts["delta_without_base"] += 1
-            if (peer is not None or self._room_for_new()) and self.pulls.want(rec.key, rec.version, held, addr, now):
+            if ((peer is not None or self._room_for_new(source_key(addr) if rec.key == sender else None))
+                    and self.pulls.want(rec.key, rec.version, held, addr, now)):
                 wants.append((rec.key, held))
             return []
         try:
@@ -535,14 +626,18 @@ class GossipCore:
     def _store(self, key: int, snap: LoadSnapshot, content: bytes, beat: int, owner_addr: Addr,
                flags: int, delta: bytes | None, direct: bool, src: Addr, now: int,
                wants: list[tuple[int, int]]) -> Outgoing:
-        if snap.timestamp_ms > now + self.wall_offset_ms + self.params.max_clock_skew_ms:
+        ceiling = self._ceiling(now)
+        if snap.timestamp_ms > ceiling:
             return self._drop("future")
+        if snap.timestamp_ms + beat > ceiling:
+            return self._drop("implausible")
         before = self.table.get(key)
         held = before.snapshot.version if before is not None else 0
-        if before is None and not self._room_for_new():
+        anchor = source_key(src) if direct else None
+        if before is None and not self._room_for_new(anchor):
             return []
         urgent = bool(flags & wire.RECORD_URGENT)
-        peer = self.table.merge_content(key, snap, content, beat, owner_addr, urgent, now, delta, direct)
+        peer = self.table.merge_content(key, snap, content, beat, owner_addr, urgent, now, delta, direct, anchor)
         if peer is None:
             return []
         self.counts["records_stored"] += 1
@@ -586,9 +681,8 @@ class GossipCore:
     def _content_to(self, targets: Sequence[Addr], records: list[bytes]) -> Outgoing:
         if not records or not targets:
             return []
-        datagrams = [wire.seal(Kind.CONTENT, self.key, body, self.keyring)
-                     for body in wire.pack_content(records, self.params.max_datagram)]
-        return self._count_sent([(addr, d) for addr in targets for d in datagrams])
+        bodies = wire.pack_content(records, self.params.max_datagram)
+        return self._count_sent([(addr, self._seal(Kind.CONTENT, addr, body)) for addr in targets for body in bodies])
 
     def _digest(self, addr: Addr, reply: bool) -> Outgoing:
         """This node's whole table as announcements of what it can serve (sync)."""
@@ -602,7 +696,7 @@ class GossipCore:
         flags = wire.FLAG_REPLY if reply else 0
         cap = self._entry_cap
         # An empty table still sends one (empty) sync: it asks for the peer's digest.
-        out = [(addr, wire.seal(Kind.SYNC, self.key, wire.pack_entries(entries[i:i + cap]), self.keyring, flags))
+        out = [(addr, self._seal(Kind.SYNC, addr, wire.pack_entries(entries[i:i + cap]), flags))
                for i in range(0, max(len(entries), 1), cap)]
         self.counts["syncs_sent"] += 1
         return self._count_sent(out)
@@ -616,13 +710,26 @@ class GossipCore:
                 entries = self.queue.take(self._entry_cap, first=self.key, skip=sent)
                 if not entries:
                     break
-                out.append((peer.gossip_addr, wire.seal(Kind.GOSSIP, self.key, wire.pack_entries(entries),
-                                                        self.keyring, flags)))
+                out.append((peer.gossip_addr, self._seal(Kind.GOSSIP, peer.gossip_addr, wire.pack_entries(entries),
+                                                         flags)))
                 flags = 0
                 if len(entries) < self._entry_cap:
                     break
                 sent.update(k for k, _, _ in entries)
         return self._count_sent(out)
+
+    def _seal(self, kind: Kind, addr: Addr, body: bytes, flags: int = 0) -> bytes:
+        """The datagram for `addr`: a fresh seq, this node's token for that address, and
+        the echo of the address's token for this node. A datagram to an address that may
+        not know this node yet is kept, to send again if a cookie comes back."""
+        assert self._now is not None
+        now = self._now
+        self._seq = max(self._seq + 1, (now + self.wall_offset_ms) * 1000)
+        tokens = self.tokens
+        if kind is not Kind.COOKIE and tokens.may_be_refused(addr, now):
+            tokens.keep(addr, kind, flags, body)
+        return wire.seal(kind, self.key, body, self.keyring, flags, seq=self._seq,
+                         token=self.cookies.token(addr, now), echo=tokens.echo(addr))
 
     def _count_sent(self, out: Outgoing) -> Outgoing:
         counts = self.counts
@@ -633,6 +740,11 @@ class GossipCore:
     def _on_state(self, peer: Peer, old: PeerState | None, new: PeerState | None, now: int) -> None:
         if new is not None:
             self.counts["became_" + new.value] += 1
+        if old is None and len(self.table) == 1:
+            # The first peer: this node has just joined. Nodes started with it may not
+            # have reached their seeds when the seed answered; one more full exchange,
+            # a join retry later, finds them (rather than the push-pull interval).
+            self._next_push_pull = min(self._next_push_pull, now + self.params.join_retry_ms)
         if new is None:
             self.pulls.forget(peer.key)
         if new is PeerState.SUSPECT:
@@ -670,4 +782,5 @@ class GossipCore:
     def counters(self) -> dict[str, int]:
         counts = dict(self.counts)
         counts["drop_pulls_full"] = self.pulls.refused
+        counts["drop_table_full"] = counts.get("drop_table_full", 0) + self.table.refused
         return counts

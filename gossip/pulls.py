@@ -4,7 +4,8 @@ to ask again.
 One pull per node at a time: announcements of a version already asked for do not cause
 a second pull while the first may still answer. A pull unanswered after `timeout_ms` is
 sent again to the same peer (which announced the version, so holds it), up to `retries`
-times; then it is forgotten and the next announcement starts a new one. Entries are
+times; then it is given up (the core then forgets the version announced) and the next
+announcement starts a new one. Entries are
 bounded by `max_entries`, like the peer table.
 """
 
@@ -55,9 +56,11 @@ class PullTracker:
     def forget(self, key: int) -> None:
         self._inflight.pop(key, None)
 
-    def due(self, now: int) -> list[tuple[Addr, int, int]]:
-        """The pulls to send again now, as (addr, key, version held)."""
+    def due(self, now: int) -> tuple[list[tuple[Addr, int, int]], list[int]]:
+        """The pulls to send again now, as (addr, key, version held); and the keys whose
+        pulls were given up."""
         again: list[tuple[Addr, int, int]] = []
+        abandoned: list[int] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             deadline, key = heapq.heappop(heap)
@@ -67,12 +70,13 @@ class PullTracker:
             version, have, addr, _, tries = pull
             if tries >= self.retries:
                 del self._inflight[key]
+                abandoned.append(key)
                 continue
             deadline = now + self.timeout_ms
             self._inflight[key] = (version, have, addr, deadline, tries + 1)
             heapq.heappush(heap, (deadline, key))
             again.append((addr, key, have))
-        return again
+        return again, abandoned
 
     def next_deadline(self) -> int | None:
         heap = self._deadlines

@@ -2,13 +2,15 @@
 bound (HMAC checks, decoding) however fast it sends; and single ones for what a node
 does on its own initiative in bursts (urgent relays).
 
-Sources are keyed by address and port: peers sharing a host (tests, containers) each get
-their own bucket. The set of sources is itself bounded: beyond max_sources the least
-recently seen is forgotten, which only ever gives a source a fresh, full bucket.
+Sources are keyed by address (source_key), not port. The set of sources is itself
+bounded: beyond max_sources the least recently seen is forgotten, which only ever gives a
+source a fresh, full bucket.
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 from collections.abc import Hashable
 
 
@@ -54,3 +56,20 @@ class TokenBucket:
             return False
         self._tokens -= 1.0
         return True
+
+
+@functools.lru_cache(maxsize=65_536)
+def _prefix(host: str) -> str:
+    try:
+        return str(ipaddress.IPv6Network((host.split("%")[0], 64), strict=False))
+    except ValueError:
+        return host
+
+
+def source_key(addr: tuple[str, int]) -> str:
+    """What a source's allowance is keyed by: its IPv4 address, or its IPv6 /64.
+
+    Not the port: any host can send from 64,000 ports, and one IPv6 host holds a whole
+    /64. Peers sharing an address (several agents on one host) share its allowance."""
+    host = addr[0]
+    return _prefix(host) if ":" in host else host

@@ -184,6 +184,15 @@ class GossipService:
         """node_id -> PeerView(snapshot, state, age_ms), this node's own included."""
         return self._started().snapshots(self._now_ms())
 
+    def table_bytes(self) -> int:
+        """Snapshot encodings held for peers (GossipParams.max_table_bytes bounds it)."""
+        return self.core.table.bytes if self.core is not None else 0
+
+    def newest_own_seen(self) -> int:
+        """The highest version of this node that peers hold, when above its own (else
+        what it was when last above, or 0): the owner must publish above it."""
+        return self.core.newest_own_seen if self.core is not None else 0
+
     def counters(self) -> dict[str, int]:
         counts = self.core.counters() if self.core is not None else {}
         counts.update(self._errors)

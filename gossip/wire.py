@@ -2,12 +2,19 @@
 
     offset  size
     0       2    magic "LM"
-    2       1    protocol version (1)
-    3       1    kind: 1 gossip, 2 sync, 3 pull, 4 content
+    2       1    protocol version (2)
+    3       1    kind: 1 gossip, 2 sync, 3 pull, 4 content, 5 cookie
     4       1    flags: 0x01 signed (a tag ends the datagram), 0x02 reply wanted (sync)
     5       8    sender: the sender's node key (see node_key), big-endian
-    13      ...  body
+    13      8    seq: microseconds of the sender's wall clock, strictly increasing per sender
+    21      4    token: the sender's cookie for the receiver's address (to echo back)
+    25      4    echo: the last token the receiver gave the sender for this address (0: none)
+    29      ...  body
     end-16  16   HMAC-SHA256 of everything before it, truncated (only when signed)
+
+The tag covers seq, token and echo: a signed datagram cannot be replayed outside the
+receiver's replay window, and its echo proves, to the receiver only, that the sender
+receives at the address it came from (gossip/cookies.py).
 
 Bodies:
 
@@ -15,6 +22,8 @@ Bodies:
   (ms the owner has vouched for this version since publishing it). Gossip carries the
   sender's recent changes; sync carries its whole table (chunked).
 - pull: wants, 16 bytes each: node key u64, the version the sender holds (0: none).
+- cookie: no body. "I did not act on your datagram: your address is not proven yet;
+  here is a token, send again echoing it." Never larger than what it answers.
 - content: a msgpack array of records, each a msgpack array:
   full  [0, flags, beat, gossip host, gossip port, encoded LoadSnapshot]
   delta [1, flags, node key, base version, version, beat, crc32 of the result, changes]
@@ -39,8 +48,8 @@ import msgpack
 from gossip.keyring import TAG_BYTES, Keyring
 
 MAGIC = b"LM"
-PROTOCOL_VERSION = 1
-HEADER = struct.Struct("!2sBBBQ")
+PROTOCOL_VERSION = 2
+HEADER = struct.Struct("!2sBBBQQII")
 ENTRY = struct.Struct("!QQI")
 WANT = struct.Struct("!QQ")
 FLAG_SIGNED = 0x01
@@ -60,6 +69,7 @@ class Kind(IntEnum):
     SYNC = 2
     PULL = 3
     CONTENT = 4
+    COOKIE = 5
 
 
 class WireError(ValueError):
@@ -86,6 +96,9 @@ class Datagram:
     kind: Kind
     flags: int
     sender: int
+    seq: int
+    token: int
+    echo: int
     body: bytes
 
 
@@ -111,10 +124,11 @@ class DeltaRecord:
 Record = FullRecord | DeltaRecord
 
 
-def seal(kind: Kind, sender: int, body: bytes, keyring: Keyring | None, flags: int = 0) -> bytes:
+def seal(kind: Kind, sender: int, body: bytes, keyring: Keyring | None, flags: int = 0, *,
+         seq: int = 0, token: int = 0, echo: int = 0) -> bytes:
     if keyring is None:
-        return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags & ~FLAG_SIGNED, sender) + body
-    data = HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags | FLAG_SIGNED, sender) + body
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags & ~FLAG_SIGNED, sender, seq, token, echo) + body
+    data = HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags | FLAG_SIGNED, sender, seq, token, echo) + body
     return data + keyring.sign(data)
 
 
@@ -130,7 +144,7 @@ def open_datagram(data: bytes, keyring: Keyring | None, max_datagram: int) -> Da
         raise WireError("oversized", f"{size} bytes")
     if size < HEADER.size:
         raise WireError("truncated", f"{size} bytes")
-    magic, version, kind, flags, sender = HEADER.unpack_from(data)
+    magic, version, kind, flags, sender, seq, token, echo = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise WireError("bad_magic")
     if version != PROTOCOL_VERSION:
@@ -150,7 +164,9 @@ def open_datagram(data: bytes, keyring: Keyring | None, max_datagram: int) -> Da
         raise WireError("unsigned")
     if size > max_datagram and kind is not Kind.CONTENT:
         raise WireError("oversized", f"{size} bytes of kind {kind.name}")
-    return Datagram(kind, flags, sender, bytes(data[HEADER.size:end]))
+    if kind is Kind.COOKIE and end != HEADER.size:
+        raise WireError("malformed", "a cookie has no body")
+    return Datagram(kind, flags, sender, seq, token, echo, bytes(data[HEADER.size:end]))
 
 
 # --- announcements and wants --------------------------------------------------------------

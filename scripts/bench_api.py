@@ -2,8 +2,8 @@
 """Local API throughput: `GET /v1/best` answers per second and their latency on one
 keep-alive connection, against a real agent whose table holds 100 peers.
 
-The 99 other peers are real GossipService instances on 127.0.0.1 in this process (an open
-mesh), each serving the benchmark's model, so the agent learns them through the real
+The 99 other peers are real GossipService instances in a process of their own (an open
+mesh), each on its own loopback address (127.0.1.x) as on its own host, each serving the benchmark's model, so the agent learns them through the real
 gossip path. The client is a raw socket sending one request at a time, as a router does,
 and the same client asks for an unknown path on the same connection (a 404): the floor that
 the HTTP transport alone costs. The ratio of the two rates is what the routing decision adds.
@@ -52,7 +52,8 @@ async def _run_peers(count: int, seed: str, stop: multiprocessing.synchronize.Ev
     rng = random.Random(1)
     services = []
     for i in range(count):
-        svc = GossipService(f"peer-{i:03d}", ("127.0.0.1", 0), [seed], GossipParams(), None)
+        # Its own address: the agent's allowance is per source address, as for hosts.
+        svc = GossipService(f"peer-{i:03d}", (f"127.0.{1 + i // 250}.{1 + i % 250}", 0), [seed], GossipParams(), None)
         await svc.start()
         svc.publish(peer_snapshot(svc.node_id, 1000, rng), urgent=True)
         services.append(svc)

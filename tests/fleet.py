@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import secrets
 import signal
 import statistics
 import subprocess
@@ -204,12 +205,17 @@ def agent_config(host: Host, node: nettopo.MeshNode, seed: str, work: Path,
     server's models from its /v1/models), no tuning but extra_toml (tables other than the
     ones written here), appended as is."""
     path = work / f"{host.name}.toml"
+    key = work / "gossip.key"  # one key for the fleet, as an operator would give it
+    if not key.exists():
+        key.write_text(secrets.token_hex(32) + "\n")
+        key.chmod(0o600)
     path.write_text(
         f'node_id = "{host.name}"\nstate_dir = "{work / ("state-" + host.name)}"\n'
         f'advertise = "{node.v4}"\n'
         f'[api]\nsocket = "{work / (host.name + ".sock")}"\n'
         f'[probes]\ninterfaces = ["{node.ifname}"]\nports = [{PORT}]\nrequired = true\n'
         f'[gossip]\nbind = "{node.v4}:{GOSSIP_PORT}"\nseeds = ["{seed}:{GOSSIP_PORT}"]\n'
+        f'key_file = "{key}"\n'
         f'[metrics]\nlisten = ""\n' + extra_toml)
     return path
 

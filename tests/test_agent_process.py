@@ -112,8 +112,14 @@ def test_status_without_an_agent_exits_1(run_dir: Path) -> None:
 
 
 def test_config_check_and_defaults(tmp_path: Path) -> None:
+    defaults = cli("config", "defaults").stdout
+    # The defaults alone are an open mesh on every address: refused, naming the way out.
+    open_mesh = tmp_path / "open.toml"
+    open_mesh.write_text(defaults)
+    refused = cli("config", "check", str(open_mesh))
+    assert refused.returncode == EXIT_CONFIG and "gossip.insecure = true" in refused.stderr
     good = tmp_path / "good.toml"
-    good.write_text(cli("config", "defaults").stdout)
+    good.write_text(defaults.replace('key_file = ""', f'key_file = "{tmp_path}/gossip.key"'))
     assert cli("config", "check", str(good)).returncode == 0
     bad = tmp_path / "bad.toml"
     bad.write_text("[probes]\nports = [0]\n")

@@ -8,9 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossip.broadcasts import BroadcastQueue
+from gossip.cookies import AddressCookies, PeerTokens
 from gossip.membership import PeerState, PeerTable
 from gossip.pulls import PullTracker
-from gossip.ratelimit import SourceLimiter, TokenBucket
+from gossip.ratelimit import SourceLimiter, TokenBucket, source_key
+from gossip.replay import ReplayGuard
 from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
 from gossip.suspicion import Prober
 from gossip.wire import node_key
@@ -23,8 +25,8 @@ def snap(node: str, version: int, ts: int = 1000, score: float = 0.5) -> LoadSna
                         state=State.OK, score=score, host=HostLoad(0.1, 1, 2, 0.5, None), gpus=(), models=())
 
 
-def merge(table: PeerTable, s: LoadSnapshot, beat: int = 0, now: int = 0) -> object:
-    return table.merge_content(node_key(s.node_id), s, encode(s), beat, ADDR, False, now)
+def merge(table: PeerTable, s: LoadSnapshot, beat: int = 0, now: int = 0, anchor: str | None = None) -> object:
+    return table.merge_content(node_key(s.node_id), s, encode(s), beat, ADDR, False, now, anchor=anchor)
 
 
 # --- merge: order of arrival never changes the outcome --------------------------------------
@@ -183,9 +185,9 @@ def test_pull_tracker_asks_once_retries_then_gives_up() -> None:
     assert not pulls.want(1, 5, 4, ("other", 1), now=50)  # in flight
     assert pulls.want(1, 6, 4, ADDR, now=60)  # a newer version is asked for again
     assert pulls.next_deadline() == 160
-    assert pulls.due(160) == [(ADDR, 1, 4)]
-    assert pulls.due(260) == [(ADDR, 1, 4)]
-    assert pulls.due(360) == []  # retries spent
+    assert pulls.due(160) == ([(ADDR, 1, 4)], [])
+    assert pulls.due(260) == ([(ADDR, 1, 4)], [])
+    assert pulls.due(360) == ([], [1])  # retries spent: given up
     assert len(pulls) == 0
     assert pulls.want(2, 1, 0, ADDR, 0) and pulls.want(3, 1, 0, ADDR, 0)
     assert not pulls.want(4, 1, 0, ADDR, 50)
@@ -214,3 +216,75 @@ def test_source_limiter_bounds_rate_and_memory() -> None:
     bucket = TokenBucket(rate_per_s=1, burst=2)
     assert [bucket.take(0) for _ in range(3)] == [True, True, False]
     assert bucket.take(1000)
+
+
+# --- bounds: bytes, and who gives way when full ------------------------------------------------
+
+def test_the_table_holds_its_bytes_and_an_anchored_newcomer_displaces_a_hearsay_one() -> None:
+    size = len(encode(snap("forged-0", 1)))
+    table = PeerTable(max_peers=100, max_bytes=3 * size + size // 2, anchors_per_source=2)
+    for i in range(3):
+        assert merge(table, snap(f"forged-{i}", 1), now=i) is not None
+    # Full by bytes: more hearsay is refused, whatever its number.
+    assert merge(table, snap("forged-9", 1), now=5) is None
+    assert table.refused == 1 and table.bytes <= table.max_bytes
+    # A node speaking for itself takes the place of the stalest one nobody heard directly.
+    assert merge(table, snap("real", 1), now=6, anchor="10.0.0.7") is not None
+    assert table.get(node_key("forged-0")) is None and table.get(node_key("real")).anchor == "10.0.0.7"
+    # One address anchors at most anchors_per_source nodes: the third from it is hearsay.
+    assert merge(table, snap("real-2", 1), now=7, anchor="10.0.0.7") is not None
+    assert merge(table, snap("real-3", 1), now=8, anchor="10.0.0.7") is None
+    assert {p.node_id for p in table} == {"forged-2", "real", "real-2"}
+    # An update that grows past the bound drops the delta base before anything else.
+    assert merge(table, snap("real", 2), now=9) is not None
+    assert table.get(node_key("real")).prev_content == b"" and table.bytes <= table.max_bytes
+
+
+def test_rewinding_a_key_that_ran_ahead_of_its_content() -> None:
+    table = PeerTable(max_peers=4)
+    merge(table, snap("a", 5), beat=100)
+    peer = table.get(node_key("a"))
+    table.merge_key(peer, 2**63, 0, 10)  # announced, never served
+    assert table.rewind_key(peer) and (peer.version, peer.beat) == (5, 0)
+    assert not table.rewind_key(peer)
+
+
+def test_the_allowance_is_per_address_not_port() -> None:
+    assert source_key(("10.0.0.1", 1)) == source_key(("10.0.0.1", 2)) == "10.0.0.1"
+    assert source_key(("fd00::1:2:3:4", 1)) == source_key(("fd00::9:9:9:9", 7)) == "fd00::/64"
+
+
+# --- cookies and replays ------------------------------------------------------------------------
+
+def test_a_token_proves_its_address_for_one_to_two_epochs() -> None:
+    cookies = AddressCookies(random.Random(1).randbytes, epoch_ms=1000, max_cached=4)
+    a, b = ("10.0.0.1", 7946), ("10.0.0.2", 7946)
+    token = cookies.token(a, 0)
+    assert token and cookies.valid(a, token, 10) and not cookies.valid(b, token, 10)
+    assert not cookies.valid(a, 0, 10)
+    assert cookies.valid(a, token, 1500)  # the previous epoch's still holds
+    assert not cookies.valid(a, token, 2600)
+
+
+def test_peer_tokens_keep_what_a_cookie_asks_to_send_again() -> None:
+    tokens = PeerTokens(epoch_ms=1000, max_entries=2, max_pending=2)
+    a = ("10.0.0.1", 1)
+    assert tokens.may_be_refused(a, 0)
+    for i in range(10):
+        tokens.keep(a, 1, 0, bytes([i]))
+    assert [body for _, _, body in tokens.take_pending(a)] == [bytes([i]) for i in range(2, 10)]
+    assert tokens.take_pending(a) == []
+    tokens.learn(a, 77, proven=False, now=0)
+    tokens.learn(a, 88, proven=False, now=0)  # a second unproven token does not replace the first
+    assert tokens.echo(a) == 77 and not tokens.may_be_refused(a, 500)
+    tokens.learn(a, 99, proven=True, now=600)
+    assert tokens.echo(a) == 99 and tokens.may_be_refused(a, 1600)
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=60))
+def test_a_seq_is_taken_once_whatever_the_order(seqs: list[int]) -> None:
+    guard = ReplayGuard(window_us=10**9, max_entries=4)
+    taken = [s for s in seqs if guard.first_time("a", s)]
+    assert len(taken) == len(set(taken))
+    assert all(not guard.first_time("a", s) for s in taken)
+    assert guard.stale(0, 10**9 + 1) and not guard.stale(5, 10**9)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from dataclasses import replace
@@ -25,6 +26,17 @@ KEY_B = bytes(range(1, 33))
 FAST = GossipParams(interval_ms=100, beat_interval_ms=300, suspect_after_ms=1000, dead_after_ms=2000,
                     reap_after_ms=60_000, dead_sync_interval_ms=1000, push_pull_interval_ms=5000,
                     join_retry_ms=500, probe_interval_ms=200)
+
+
+_SEQ = itertools.count(1)
+
+
+def forge(to: GossipCore, kind: Kind, sender: int, body: bytes, src: Addr, now: int,
+          keyring: Keyring | None = None, flags: int = 0) -> bytes:
+    """A datagram that `to` acts on from `src` at `now`: a fresh seq, and the echo of the
+    token `to` gives that address (what a sender that receives there would hold)."""
+    return wire.seal(kind, sender, body, keyring, flags, seq=(now + WALL) * 1000 + next(_SEQ) % 1000,
+                     echo=to.cookies.token(src, now))
 
 
 def snap(node: str, version: int, now: int = 0, state: State = State.OK, score: float = 0.5) -> LoadSnapshot:
@@ -240,12 +252,14 @@ def test_relayed_beats_do_not_keep_a_dead_peer_alive() -> None:
     peer = watcher.table.get(victim.key)
     version, beat = peer.version, peer.beat
     entry = wire.pack_entries([(victim.key, version, beat + 1000)])
-    watcher.on_datagram(wire.seal(Kind.GOSSIP, relay.key, entry, None), relay.advertise, mesh.now)
+    watcher.on_datagram(forge(watcher, Kind.GOSSIP, relay.key, entry, relay.advertise, mesh.now),
+                        relay.advertise, mesh.now)
     assert peer.beat == beat + 1000
     assert watcher.snapshots(mesh.now)["node-1"].state is PeerState.DEAD
     # A later beat from the victim itself is proof of life.
     entry = wire.pack_entries([(victim.key, version, beat + 2000)])
-    watcher.on_datagram(wire.seal(Kind.GOSSIP, victim.key, entry, None), victim.advertise, mesh.now)
+    watcher.on_datagram(forge(watcher, Kind.GOSSIP, victim.key, entry, victim.advertise, mesh.now),
+                        victim.advertise, mesh.now)
     assert watcher.snapshots(mesh.now)["node-1"].state is PeerState.ALIVE
 
 
@@ -323,18 +337,22 @@ def test_malformed_input_is_counted_and_dropped() -> None:
     src = ("10.7.7.7", 1)
     future = snap("ghost", 1, now=10 * 60_000)
     bad_snapshot = wire.pack_content([wire.pack_full(0, 0, src, b"\x81\xa1x\x01")], 1400)[0]
+    def signed(kind: Kind, body: bytes, sender: int = 1, keyring: Keyring | None = ring) -> bytes:
+        return forge(core, kind, sender, body, src, mesh.now, keyring)
+
     cases = {
         "drop_truncated": b"LM\x01",
         "drop_bad_magic": b"XX" + bytes(40),
-        "drop_bad_version": wire.seal(Kind.GOSSIP, 1, b"", ring)[:2] + b"\x07" + bytes(30),
-        "drop_unsigned": wire.seal(Kind.GOSSIP, 1, b"", None),
-        "drop_bad_signature": wire.seal(Kind.GOSSIP, 1, b"", Keyring([KEY_B])),
-        "drop_oversized": wire.seal(Kind.SYNC, 1, bytes(20 * 100), ring),
-        "drop_malformed": wire.seal(Kind.GOSSIP, 1, bytes(21), ring),
-        "drop_bad_snapshot": wire.seal(Kind.CONTENT, 1, bad_snapshot, ring),
-        "drop_future": wire.seal(Kind.CONTENT, 1, wire.pack_content(
-            [wire.pack_full(0, 0, src, encode(future))], 1400)[0], ring),
-        "drop_own_node_id": wire.seal(Kind.GOSSIP, core.key, b"", ring),
+        "drop_bad_version": signed(Kind.GOSSIP, b"")[:2] + b"\x07" + bytes(30),
+        "drop_unsigned": signed(Kind.GOSSIP, b"", keyring=None),
+        "drop_bad_signature": signed(Kind.GOSSIP, b"", keyring=Keyring([KEY_B])),
+        "drop_oversized": signed(Kind.SYNC, bytes(20 * 100)),
+        "drop_malformed": signed(Kind.GOSSIP, bytes(21)),
+        "drop_bad_snapshot": signed(Kind.CONTENT, bad_snapshot),
+        "drop_future": signed(Kind.CONTENT, wire.pack_content([wire.pack_full(0, 0, src, encode(future))], 1400)[0]),
+        "drop_own_node_id": signed(Kind.GOSSIP, b"", sender=core.key),
+        "drop_stale": wire.seal(Kind.GOSSIP, 1, b"", ring, seq=(mesh.now + WALL - FAST.max_clock_skew_ms - 1) * 1000,
+                                echo=core.cookies.token(src, mesh.now)),
     }
     for counter, data in cases.items():
         before = core.counters().get(counter, 0)
@@ -394,13 +412,14 @@ def test_mutated_datagrams_never_raise_and_are_accounted(sample: bytes, flips: l
 def test_flood_from_one_source_is_rate_limited() -> None:
     params = replace(FAST, rate_per_source=10, rate_burst=20)
     core = GossipCore("victim", ("10.1.1.1", 7946), params, None, rng=random.Random(0), wall_offset_ms=WALL)
-    junk = wire.seal(Kind.GOSSIP, 99, wire.pack_entries([(5, 5, 5)]), None)
-    for _ in range(1000):
-        core.on_datagram(junk, ("10.6.6.6", 4444), 0)
+    for port in range(1000):  # from as many ports: the allowance is the address's
+        src = ("10.6.6.6", 4000 + port)
+        core.on_datagram(forge(core, Kind.GOSSIP, 99, wire.pack_entries([(5, 5, 5)]), src, 0), src, 0)
     counts = core.counters()
     assert counts["drop_rate_limited"] == 980
     assert counts["pulls_sent"] == 1  # the 20 admitted asked once for the unknown node
-    core.on_datagram(junk, ("10.6.6.7", 4444), 0)  # another source is not affected
+    other = ("10.6.6.7", 4444)  # another source is not affected
+    core.on_datagram(forge(core, Kind.GOSSIP, 99, wire.pack_entries([(5, 5, 5)]), other, 0), other, 0)
     assert counts["drop_rate_limited"] == core.counters()["drop_rate_limited"]
 
 
@@ -434,3 +453,43 @@ def test_publish_rules() -> None:
     # The same content, stamped later: nothing to send; beats have their own timer.
     assert core.publish(snap("me", 10, now=700), False, 700) == []
     assert core.queue.take(5) == [(core.key, 10, 0)]
+
+
+# --- a hostile network ------------------------------------------------------------------------
+
+def test_a_wedged_key_neither_kills_a_live_node_nor_outlives_its_pulls() -> None:
+    mesh, cores = mesh_of(3)
+    victim, watcher, liar = cores
+    ceiling = mesh.now + WALL + FAST.max_clock_skew_ms
+    for version in (2**64 - 1, ceiling + 1):  # beyond any clock: refused
+        entry = wire.pack_entries([(victim.key, version, 0)])
+        watcher.on_datagram(forge(watcher, Kind.GOSSIP, liar.key, entry, liar.advertise, mesh.now),
+                            liar.advertise, mesh.now)
+    assert watcher.counters()["drop_implausible"] == 2
+    # Plausible, but never served: the liar's address does not answer the pulls.
+    entry = wire.pack_entries([(victim.key, ceiling - 1, 0)])
+    mesh.down.add(liar.advertise)
+    watcher.on_datagram(forge(watcher, Kind.GOSSIP, liar.key, entry, liar.advertise, mesh.now),
+                        liar.advertise, mesh.now)
+    assert watcher.table.get(victim.key).version == ceiling - 1
+    mesh.run(FAST.dead_after_ms + 500)  # the victim's own datagrams keep it alive meanwhile
+    assert mesh.state_of("node-0")["node-1"] == "alive"
+    assert watcher.counters()["keys_rewound"] == 1
+    mesh.publish(victim, snap("node-0", 500, mesh.now))
+    mesh.run(500)
+    assert mesh.versions("node-0")["node-1"] == 500
+
+
+def test_a_version_of_itself_above_its_own_is_reported_to_the_owner() -> None:
+    mesh, cores = mesh_of(2)
+    owner, other = cores
+    forged = snap("node-0", WALL + mesh.now + 20_000, mesh.now)
+    record = wire.pack_content([wire.pack_full(0, 0, owner.advertise, encode(forged))], 1400)[0]
+    owner.on_datagram(forge(owner, Kind.CONTENT, other.key, record, other.advertise, mesh.now),
+                      other.advertise, mesh.now)
+    assert owner.newest_own_seen == forged.version
+    beyond = snap("node-0", WALL + mesh.now + FAST.max_clock_skew_ms + 1, mesh.now)
+    record = wire.pack_content([wire.pack_full(0, 0, owner.advertise, encode(beyond))], 1400)[0]
+    owner.on_datagram(forge(owner, Kind.CONTENT, other.key, record, other.advertise, mesh.now),
+                      other.advertise, mesh.now)
+    assert owner.newest_own_seen == forged.version and owner.counters()["drop_implausible"] == 1

@@ -18,6 +18,7 @@ import pytest
 
 import nettopo
 from conftest import LOADMESH, agent_config
+from gossip_peer import RawPeer
 from gossip import wire
 from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
 from gossip.wire import Kind
@@ -78,12 +79,11 @@ def test_peers_escapes_node_ids_taken_from_gossip(make_agent, run_dir: Path) -> 
     forged = LoadSnapshot(node_id=EVIL, endpoints=(Endpoint("127.0.0.1", 8000),), version=1,
                           timestamp_ms=int(time.time() * 1000), state=State.OK, score=0.5,
                           host=HostLoad(0.5, 1000, 2000, 1.5, None), gpus=(), models=())
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
-        attacker.bind(("127.0.0.1", 0))
-        content = wire.pack_content(
-            [wire.pack_full(0, 0, attacker.getsockname(), encode(forged))], 1400)[0]
-        attacker.sendto(wire.seal(Kind.CONTENT, wire.node_key(EVIL), content, None),
-                        ("127.0.0.1", port))
+    with RawPeer(EVIL) as attacker:
+        to = ("127.0.0.1", port)
+        attacker.prove(to)
+        content = wire.pack_content([wire.pack_full(0, 0, attacker.addr, encode(forged))], 1400)[0]
+        attacker.send(attacker.seal(Kind.CONTENT, content, to), to)
         until(lambda: any(p["node_id"] == EVIL for p in json.loads(
             loadmesh("peers", "--socket", sock, "--json"))), "the forged peer in the table")
     shown = loadmesh("peers", "--socket", sock)
