@@ -37,6 +37,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     config = config_mod.load(args.config)
     logs.setup(config.log_level)
+    # The probe reader and the snapshot build run in worker threads that share the GIL
+    # with the event loop; by default a thread running Python keeps the GIL for 5 ms
+    # before the loop may take it, the loop's whole budget (scripts/bench_reader.py).
+    sys.setswitchinterval(0.001)
     return asyncio.run(Agent(config, args.config).run())
 
 

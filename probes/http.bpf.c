@@ -64,10 +64,12 @@ BPF_ARRAY(serving_ports, u64, 1024);
  * evicted by newer ones instead of filling the map; one entry per live connection. */
 BPF_TABLE("lru_hash", struct lm_flow, struct lm_flow_state, inflight, LM_INFLIGHT_ENTRIES);
 
-/* Per flow, model and status: count and time to first byte. Per-CPU so the hot path needs
- * no atomics. Preallocated (entries x 32 B x CPUs): allocating on use measured 40 ns slower
- * per response. User space deletes idle entries, so the size bounds recently active flows. */
-BPF_F_TABLE("percpu_hash", struct lm_fp_key, struct lm_fp_val, fingerprints, LM_FP_ENTRIES, 0);
+/* Per flow, model and status: count and time to first byte. One copy for all CPUs (a GPU
+ * host has 100-400): a flow's answers leave from one CPU at a time, so the atomic adds do
+ * not contend, and the map's size does not grow with the CPUs. LRU: the kernel drops the
+ * least recently answered rows when full, so nothing in user space reads it to expire
+ * them; it is read only for a dump (`loadmesh dump`). */
+BPF_TABLE("lru_hash", struct lm_fp_key, struct lm_fp_val, fingerprints, LM_FP_ENTRIES);
 
 /* Latency histograms per model, serving port, endpoint, status and kind: only touched
  * buckets exist, so the size bounds what is in use (a model's latencies span a few powers
@@ -237,19 +239,24 @@ static __always_inline void record_flow(struct lm_ctx *c, u64 model, u16 status,
     k.status = status;
     struct lm_fp_val *v = fingerprints.lookup(&k);
     if (!v) {
-        struct lm_fp_val zero = {};
-        fingerprints.update(&k, &zero);
-        v = fingerprints.lookup(&k);
+        /* A new row is born with its first answer: one map operation, not three. */
+        struct lm_fp_val first = {.count = 1, .lat_sum_ns = lat, .lat_max_ns = lat,
+                                  .last_ns = c->now};
+        if (!fingerprints.insert(&k, &first))
+            return;
+        v = fingerprints.lookup(&k); /* another CPU made it meanwhile */
+        if (!v) {
+            err(LM_ERR_FP_FULL);
+            return;
+        }
     }
-    if (v) {
-        v->count += 1;
-        v->lat_sum_ns += lat;
-        if (lat > v->lat_max_ns)
-            v->lat_max_ns = lat;
-        v->last_ns = c->now;
-    } else {
-        err(LM_ERR_FP_FULL);
-    }
+    __sync_fetch_and_add(&v->count, 1);
+    __sync_fetch_and_add(&v->lat_sum_ns, lat);
+    /* Racy across CPUs (a larger max written at once elsewhere may be lost), as last_ns:
+     * both are for the operator's eye, no figure depends on them. */
+    if (lat > v->lat_max_ns)
+        v->lat_max_ns = lat;
+    v->last_ns = c->now;
 }
 
 static __always_inline struct lm_req_stats *req_stats(u64 model, u16 port, u8 ep) {

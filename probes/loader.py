@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -24,7 +25,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from . import buckets, tc, tcx
-from .maps import FlowKey, MapReader, MapSnapshot
+from .maps import FlowTable, MapReader, MapSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class MapSizes:
     """Entries of each bounded map (see docs/probes.md for the reasons of the defaults)."""
 
     inflight: int = 16384  # live connections to serving ports
-    fingerprints: int = 16384  # flow x model x status seen in the last flow_idle_s
+    fingerprints: int = 16384  # flow x model x status rows, least recently answered evicted
     histograms: int = 16384  # model x port x endpoint x status x kind x latency bucket in use
     requests: int = 1024  # model x port x endpoint
     models: int = 1024  # distinct model names
@@ -264,10 +265,14 @@ class ProbeSet:
                 raise RuntimeError("probes not started")
             return self._reader.read(with_flows)
 
-    def expire_flows(self, keys: Iterable[FlowKey]) -> None:
+    def read_flows(self, idle_s: float) -> tuple[int, FlowTable]:
+        """Blocking read of the flow table alone, for a dump: (time.monotonic_ns() of the
+        read, the rows answered in the idle_s before it)."""
         with self._lock:
-            if self._reader is not None:
-                self._reader.delete_flows(keys)
+            if self._reader is None:
+                raise RuntimeError("probes not started")
+            mono_ns = time.monotonic_ns()
+            return mono_ns, self._reader.flows(mono_ns - int(idle_s * 1e9))
 
     def prog_stats(self) -> dict[str, tuple[int, int]]:
         """(run_time_ns, run_cnt) per loaded program, from the kernel's BPF statistics
@@ -310,8 +315,7 @@ class ProbeSet:
             steps[ctypes.c_int(i)] = ctypes.c_int(self._progs[name].fd)
         self._written = {}
         self._write_ports()
-        ncpu = len(bcc.utils.get_possible_cpus())
-        self._reader = MapReader(self._bpf, lib, ncpu)
+        self._reader = MapReader(self._bpf, lib)
         self._attach_all()
 
     def _compile(self, bcc: Any, tracefs: Path) -> Any:

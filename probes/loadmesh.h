@@ -69,7 +69,7 @@
 #define LM_OUT_COUNT 5
 
 /* Indexes of the `errors` per-CPU array: what went wrong, counted, never silent. */
-#define LM_ERR_FP_FULL 0          /* fingerprints map full: a response was not recorded */
+#define LM_ERR_FP_FULL 0          /* a fingerprints row could be neither made nor found */
 #define LM_ERR_HIST_FULL 1        /* histograms map full: a latency sample was dropped */
 #define LM_ERR_MODELS_FULL 2      /* models map full: a model's name is not shown */
 #define LM_ERR_SCAN_GAVE_UP 3     /* a body longer than the scan limits held no "model" in them */

@@ -3,13 +3,14 @@
 Big maps are read with one BPF_MAP_LOOKUP_BATCH pass into reused buffers and decoded with
 struct (layouts from abi.codec, i.e. from loadmesh.h): for 10,000 flows that is a few
 system calls, where BCC's per-key iteration costs two system calls and several ctypes
-objects per entry. Per-CPU values are summed here (maxima taken as maxima).
+objects per entry. Per-CPU values (small counters only) are summed here.
 
-The reader polls every second, from a worker thread that shares the GIL with the daemon's
-event loop, so a poll must cost little whatever the number of flows: the per-flow work of
-a poll runs inside C loops (memoryview slices, map, zip, itertools), and flow keys are
-decoded only when someone asks for them (an operator's dump, the few idle flows to
-expire). Python loops over entries give up the GIL every YIELD_EVERY of them.
+The reader polls four times a second, from a worker thread that shares the GIL with the
+daemon's event loop, so a poll must cost little whatever the number of flows and CPUs:
+it reads no map that grows with either (the flow table is read only for a dump, and its
+rows are not per-CPU), the per-entry work runs inside C loops (memoryview slices, map,
+zip, itertools), and flow keys are decoded only as a dump writes them. Python loops over
+entries give up the GIL every YIELD_EVERY of them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from typing import Any, NamedTuple
 
 from . import abi
 
-IPPROTO_TCP = 6
 _V4_MAPPED = bytes(10) + b"\xff\xff"
 # Entries handled between two GIL releases (about a millisecond of work), and how long to
 # stay off the GIL then. sleep(0) is not enough: it releases the GIL, but on a busy machine
@@ -57,10 +57,10 @@ FlowStats = tuple[int, int, int, int]
 
 class FlowTable(Mapping[FlowKey, FlowStats]):
     """The fingerprints map as read: keys kept as read (raw map keys) and decoded on first
-    use, figures summed over CPUs and kept as columns (count, lat_sum_ns, lat_max_ns,
-    last_ns), one list of ints each. A poll needs only the figures, and columns of ints
-    are not containers: building them gives the cyclic collector nothing to track, so
-    polls do not bring on the full collections that would stall the event loop."""
+    use, figures kept as columns (count, lat_sum_ns, lat_max_ns, last_ns), one list of ints
+    each. Columns of ints are not containers: building them gives the cyclic collector
+    nothing to track, so a dump does not bring on the full collections that would stall
+    the event loop."""
 
     def __init__(self, keys: Sequence[Hashable], columns: Sequence[Sequence[int]],
                  decode: Callable[[Any], FlowKey]) -> None:
@@ -75,10 +75,6 @@ class FlowTable(Mapping[FlowKey, FlowStats]):
         keys = list(flows)
         return cls(keys, [[flows[k][i] for k in keys] for i in range(4)], lambda key: key)
 
-    def idle(self, before_ns: int) -> list[FlowKey]:
-        """Flows whose last response came before before_ns (CLOCK_MONOTONIC)."""
-        last = self._columns[3]
-        return [self._decode(k) for k in compress(self._keys, map(before_ns.__gt__, last))]
 
     def rows(self) -> Iterator[tuple[FlowKey, int, int, int, int]]:
         """(key, count, lat_sum_ns, lat_max_ns, last_ns) per flow, made as they are taken:
@@ -226,27 +222,18 @@ def _fields_struct(codec: abi.Codec, names: Sequence[str]) -> struct.Struct:
     return struct.Struct("".join(fmt))
 
 
-def _per_cpu_struct(value: abi.Codec, ncpu: int) -> struct.Struct:
-    """One entry of a per-CPU map: ncpu values, each padded to 8 bytes by the kernel."""
-    one = value.struct.format.lstrip("<")
-    pad = -value.struct.size % 8
-    return struct.Struct("<" + (one + (f"{pad}x" if pad else "")) * ncpu)
-
-
 class MapReader:
     """Decodes the maps of one compiled probe set (a bcc.BPF)."""
 
-    def __init__(self, bpf: Any, lib: Any, ncpu: int):
+    def __init__(self, bpf: Any, lib: Any):
         self._bpf = bpf
         self._lib = lib
-        self._ncpu = ncpu
         fp = bpf[b"fingerprints"]
         self._fp_key = abi.codec(fp.Key)
-        self._fp_val = abi.codec(fp.sLeaf)
+        self._fp_val = abi.codec(fp.Leaf)
         if self._fp_val.struct.format != "<" + "Q" * len(self._fp_val.fields):
             raise TypeError("lm_fp_val: flows() reads it as an array of u64")
-        self._fp = _Batch(lib, fp.map_fd, ctypes.sizeof(fp.Key),
-                          _per_cpu_struct(self._fp_val, ncpu).size, fp.max_entries)
+        self._fp = _Batch(lib, fp.map_fd, ctypes.sizeof(fp.Key), ctypes.sizeof(fp.Leaf), fp.max_entries)
         # Decoded keys of the flows seen lately (most flows live for many polls), emptied
         # when it outgrows the map. A plain dict of tuples of bytes and ints: the collector
         # stops tracking those, where lru_cache would keep a tracked list per entry, and
@@ -285,7 +272,7 @@ class MapReader:
 
     def read(self, with_flows: bool = True) -> MapSnapshot:
         """Every map; with_flows False leaves out the flow table, the only map whose read
-        grows with the number of connections times the CPUs."""
+        grows with the number of connections (a poll leaves it out; a dump reads it)."""
         mono = time.monotonic_ns()
         return MapSnapshot(
             mono_ns=mono,
@@ -298,23 +285,27 @@ class MapReader:
             inflight=self.inflight(),
         )
 
-    def flows(self) -> FlowTable:
+    def flows(self, since_ns: int = 0) -> FlowTable:
+        """The rows last answered at or after since_ns (CLOCK_MONOTONIC), read a thousand
+        at a time between GIL releases: at 100,000 rows any one step over all of them
+        holds the GIL for milliseconds."""
         keys, values, n = self._fp.read()
-        ks, ncpu = self._fp.key_size, self._ncpu
+        ks = self._fp.key_size
         width = len(self._fp_val.fields)
         words = values.cast("B").cast("Q")
-
-        def column(name: str, combine: Callable[[Iterable[int]], int]) -> list[int]:
-            """One figure of every entry, combined over the CPUs, in C loops."""
-            first = self._fp_val.index(name)
-            per_cpu = [words[first + cpu * width::width * ncpu] for cpu in range(ncpu)]
-            return list(map(combine, zip(*per_cpu)))
-
-        columns = [column("count", sum), column("lat_sum_ns", sum), column("lat_max_ns", max),
-                   column("last_ns", max)]
-        raw = bytes(keys)
-        return FlowTable([raw[i:i + ks] for i in range(0, n * ks, ks)], columns,
-                         self._decode_flow)
+        index = [self._fp_val.index(name) for name in ("count", "lat_sum_ns", "lat_max_ns", "last_ns")]
+        split: list[bytes] = []
+        columns: list[list[int]] = [[] for _ in index]
+        for start in range(0, n, YIELD_EVERY):
+            end = min(n, start + YIELD_EVERY)
+            last = words[start * width + index[3]:end * width:width].tolist()
+            keep = list(map(since_ns.__le__, last))
+            raw = keys[start * ks:end * ks].tobytes()
+            split += compress((raw[i:i + ks] for i in range(0, len(raw), ks)), keep)
+            for column, first in zip(columns, index):
+                column += compress(words[start * width + first:end * width:width].tolist(), keep)
+            pause_point(YIELD_EVERY - 1)
+        return FlowTable(split, columns, self._decode_flow)
 
     def _decode_flow(self, raw: bytes) -> FlowKey:
         key = self._flow_keys.get(raw)
@@ -398,27 +389,3 @@ class MapReader:
                 counts.setdefault(key, [0, 0])[0] += 1
         return {key: InFlight(*n) for key, n in counts.items()}
 
-    def delete_flows(self, keys: Iterable[FlowKey]) -> None:
-        """Deletes fingerprints (the reader expires idle ones) in one batch call."""
-        kc = self._fp_key
-        packed = []
-        for client, client_port, server, server_port, model, status in keys:
-            item = dict.fromkeys(kc.fields, 0)
-            item.update({"flow.client": client, "flow.server": server,
-                         "flow.client_port": client_port, "flow.server_port": server_port,
-                         "flow.proto": IPPROTO_TCP, "flow.pad": b"", "model_id": model,
-                         "status": status, "pad": b""})
-            packed.append(kc.struct.pack(*(item[f] for f in kc.fields)))
-        if not packed:
-            return
-        buf = ctypes.create_string_buffer(b"".join(packed), len(packed) * kc.struct.size)
-        count = ctypes.c_uint32(len(packed))
-        if self._lib.bpf_delete_batch(self._fp.fd, buf, ctypes.byref(count)) == 0:
-            return
-        # The batch stops at the first key that is already gone: delete the rest singly.
-        size = kc.struct.size
-        for i in range(count.value, len(packed)):
-            if self._lib.bpf_delete_elem(self._fp.fd, ctypes.byref(buf, i * size)):
-                err = ctypes.get_errno()
-                if err != errno.ENOENT:
-                    raise OSError(err, f"BPF_MAP_DELETE_ELEM: {os.strerror(err)}")

@@ -40,13 +40,13 @@ from typing import Any, Protocol
 from . import abi, buckets
 from .maps import (
     EndpointKey,
-    FlowKey,
     FlowTable,
     HistKey,
     InFlight,
     MapSnapshot,
     PortStats,
     RequestStats,
+    YIELD_EVERY,
     format_endpoint,
 )
 from .model_id import NO_MODEL
@@ -65,8 +65,6 @@ TTFB, TTFT, ITL, E2E = (KINDS.index(k) for k in ("ttfb", "ttft", "itl", "e2e"))
 EP_OTHER = ENDPOINTS.index("other")
 EP_EMBEDDINGS = ENDPOINTS.index("embeddings")
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
-# Polls between two reads of the flow table.
-FLOWS_EVERY = 4
 
 
 class MapSource(Protocol):
@@ -74,7 +72,7 @@ class MapSource(Protocol):
 
     def read_maps(self, with_flows: bool = True) -> MapSnapshot: ...
 
-    def expire_flows(self, keys: list[FlowKey]) -> None: ...
+    def read_flows(self, idle_s: float) -> tuple[int, FlowTable]: ...
 
 
 @dataclass(frozen=True)
@@ -178,8 +176,6 @@ class _State:
     models: tuple[ModelStats, ...]
     names: Mapping[int, str]
     histograms: Mapping[HistKey, int]  # the kernel's, since the start
-    flows: FlowTable
-    wall_at_mono: float  # time.time() - time.monotonic() when the flows were read
     report: bytes | None = None  # summary and flows as JSON, built on first use
 
 
@@ -268,7 +264,6 @@ class FingerprintReader:
         self.window_s = window_s
         self.flow_idle_s = flow_idle_s
         self._last_poll = time.monotonic()
-        self._polls = 0
         self._prev_hist: dict[HistKey, int] = {}
         self._prev_requests: dict[EndpointKey, RequestStats] = {}
         self._prev_ports: dict[int, PortStats] = {}
@@ -276,31 +271,22 @@ class FingerprintReader:
         self._window: deque[_Interval] = deque()
         self._window_ports: dict[int, list[int]] = {}
         self._window_flight: dict[tuple[int, int], float] = {}  # (model, port) -> sum n dt
-        self._flows = FlowTable.of({})
-        self._flows_wall = 0.0
         empty = MapSnapshot(mono_ns=time.monotonic_ns())
         self._state = _State(self._summary(empty, (), []), (), MappingProxyType({}),
-                             MappingProxyType({}), self._flows, 0.0)
+                             MappingProxyType({}))
 
     def poll(self, now: float) -> None:
         """Reads the maps and publishes new figures. now: time.monotonic() seconds.
-        Blocking (map reads); call it from one worker thread at a time."""
-        with_flows = self._polls % FLOWS_EVERY == 0
-        self._polls += 1
-        snap = self._probes.read_maps(with_flows)
-        if snap.flows is not None:
-            self._flows = snap.flows
-            self._flows_wall = time.time() - snap.mono_ns / 1e9
-            idle = snap.flows.idle(snap.mono_ns - int(self.flow_idle_s * 1e9))
-            if idle:
-                self._probes.expire_flows(idle)
+        Blocking (map reads); call it from one worker thread at a time. The flow table is
+        not read: its rows are for a dump only, and the kernel expires them (LRU)."""
+        snap = self._probes.read_maps(with_flows=False)
         self._push(self._absorb(snap, now))
         while self._window and self._window[0].end <= now - self.window_s:
             self._pop()
         models = self._model_stats(snap)
         self._state = _State(self._summary(snap, models, self._rows(snap)), models,
                              MappingProxyType(dict(snap.models)),
-                             MappingProxyType(snap.histograms), self._flows, self._flows_wall)
+                             MappingProxyType(snap.histograms))
 
     def summary(self) -> dict[str, Any]:
         """The fingerprint report without its flows (JSON-ready, cheap). Shared: callers must
@@ -308,12 +294,30 @@ class FingerprintReader:
         return self._state.summary
 
     def report_json(self) -> bytes:
-        """The whole fingerprint report as JSON: the summary and a row per flow. Built on
-        the first call after a poll, in the caller's thread: not on the event loop."""
+        """The whole fingerprint report as JSON: the summary and a row per flow answered in
+        the last flow_idle_s. Built on the first call after a poll, in the caller's thread
+        (not on the event loop): the flow table is read then, and only then."""
         state = self._state
         if state.report is None:
-            summary = json.dumps(state.summary, separators=(",", ":"))
-            state.report = f'{summary[:-1]},"flows":[{",".join(_flow_rows(state))}]}}'.encode()
+            mono_ns, flows = self._probes.read_flows(self.flow_idle_s)
+            wall_at_mono = time.time() - mono_ns / 1e9
+            summary = json.dumps({**state.summary, "flow_count": len(flows)}, separators=(",", ":"))
+            # Rows joined a thousand at a time, and the whole copied once: one join of a
+            # hundred thousand rows (20 MB) holds the GIL for 10 ms, where the event loop
+            # must not wait more than 5.
+            parts = [f'{summary[:-1]},"flows":['.encode()]
+            batch: list[str] = []
+            for row in _flow_rows(flows, state.names, wall_at_mono):
+                batch.append(row)
+                if len(batch) == YIELD_EVERY:
+                    parts += (",".join(batch).encode(), b",")
+                    batch = []
+            if batch:
+                parts.append(",".join(batch).encode())
+            elif len(parts) > 1:
+                parts.pop()  # the last batch's comma
+            parts.append(b"]}")
+            state.report = b"".join(parts)
         return state.report
 
     def model_stats(self) -> tuple[ModelStats, ...]:
@@ -601,23 +605,22 @@ class FingerprintReader:
         return {
             "window_s": self.window_s,
             "models": rows,
-            "flow_count": len(self._flows),
             "errors": dict(snap.errors),
             "tcp": {str(port): {**stats._asdict(), **rates.get(port, {})}
                     for port, stats in sorted(snap.ports.items())},
         }
 
 
-def _flow_rows(state: _State) -> Iterator[str]:
+def _flow_rows(flows: FlowTable, model_names: Mapping[int, str], wall_at_mono: float) -> Iterator[str]:
     """One JSON object per flow (addresses and numbers need no escaping, names do)."""
     names: dict[int, str] = {}
-    for key, count, lat_sum, lat_max, last in state.flows.rows():
+    for key, count, lat_sum, lat_max, last in flows.rows():
         client, client_port, server, server_port, model_id, status = key
         name = names.get(model_id)
         if name is None:
-            name = names[model_id] = json.dumps(model_name(model_id, state.names))
+            name = names[model_id] = json.dumps(model_name(model_id, model_names))
         mean = repr(lat_sum / count / 1e6) if count else "null"
         yield (f'{{"src":"{format_endpoint(client, client_port)}",'
                f'"dst":"{format_endpoint(server, server_port)}","model":{name},'
                f'"status":{status},"count":{count},"mean_ms":{mean},'
-               f'"max_ms":{lat_max / 1e6!r},"last_seen":{state.wall_at_mono + last / 1e9!r}}}')
+               f'"max_ms":{lat_max / 1e6!r},"last_seen":{wall_at_mono + last / 1e9!r}}}')

@@ -253,7 +253,7 @@ def stream_phase(probes: ProbeSet, url: str, clients: int, seconds: float,
 def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float) -> dict:
     """wrk keeps `conns` connections busy; an asyncio loop measures how late its 1 ms sleeps
     wake up: first without the reader, then with it polling every 0.25 s in a worker thread
-    (as the daemon runs it: the flow table one poll in four), then also with a full dump
+    (as the daemon runs it: the flow table is not read), then also with a full dump
     (`loadmesh dump`: a row per flow, built in another worker thread) every second."""
     reader = FingerprintReader(probes)
     polls: list[float] = []
@@ -268,14 +268,14 @@ def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: flo
             reader.poll(time.monotonic())
             polls.append(time.perf_counter() - t)
             summary = reader.summary()
-            rows.append(summary["flow_count"])
             inflight.append(sum(m["inflight"] for m in summary["models"]))
 
     def dumper() -> None:
         while not stop_dumps.wait(1.0):
             t = time.perf_counter()
-            reader.report_json()
+            report = reader.report_json()
             dumps.append(time.perf_counter() - t)
+            rows.append(json.loads(report)["flow_count"])
 
     async def worst_delay(duration: float) -> float:
         worst = 0.0
@@ -289,6 +289,7 @@ def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: flo
         return worst
 
     gc.freeze()  # as the daemon does once started
+    sys.setswitchinterval(0.001)  # as the agent runs (daemon/cli.py)
     result: dict = {}
     wrk = threading.Thread(target=lambda: result.update(
         run_wrk(url, lua, conns, seconds * 3 + 4, threads=2)))

@@ -30,7 +30,7 @@ from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad
 from gossip.snapshot import State as NodeState
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 from probes import abi, buckets
-from probes.maps import MapSnapshot
+from probes.maps import FlowTable, MapSnapshot
 from probes.model_id import model_id
 from probes.reader import FingerprintReader, nearest_edge_ns
 
@@ -61,8 +61,8 @@ class Maps:
         return MapSnapshot(mono_ns=time.monotonic_ns(), histograms=dict(self.hist),
                            models=dict(self.names))
 
-    def expire_flows(self, keys: list) -> None:
-        pass
+    def read_flows(self, idle_s: float) -> tuple[int, FlowTable]:
+        return time.monotonic_ns(), FlowTable.of({})
 
 
 def test_each_bound_moves_to_the_nearest_bucket_edge_at_most_1_in_32_away() -> None:

@@ -13,7 +13,7 @@ import pytest
 from probes import FingerprintReader, abi, buckets
 from probes.maps import FlowKey, FlowTable, InFlight, MapSnapshot, PortStats, RequestStats, ip_bytes
 from probes.model_id import model_id
-from probes.reader import FAILED_S, FLOWS_EVERY
+from probes.reader import FAILED_S
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 QWEN = "Qwen/Qwen2.5-7B"
@@ -35,7 +35,6 @@ class FakeProbes:
         self.errors = {"fp_full": 0, "scan_gave_up": 0}
         self.ports: dict[int, PortStats] = {}
         self.inflight: dict[tuple[int, int, int], InFlight] = {}
-        self.expired: list[FlowKey] = []
 
     def add(self, model: int, status: int, latency_ms: float, n: int = 1,
             port: int = 8000, kind: int = TTFB, endpoint: int = CHAT) -> None:
@@ -54,10 +53,9 @@ class FakeProbes:
                            models=dict(self.models), errors=dict(self.errors),
                            ports=dict(self.ports), inflight=dict(self.inflight))
 
-    def expire_flows(self, keys: list[FlowKey]) -> None:
-        self.expired.extend(keys)
-        for k in keys:
-            del self.flows[k]
+    def read_flows(self, idle_s: float) -> tuple[int, FlowTable]:
+        since = self.mono_ns - int(idle_s * 1e9)
+        return self.mono_ns, FlowTable.of({k: v for k, v in self.flows.items() if v[3] >= since})
 
 
 def report(r: FingerprintReader) -> dict[str, Any]:
@@ -217,18 +215,20 @@ def test_report_keys_and_json(fake: FakeProbes) -> None:
     assert rep["tcp"]["8000"]["resets_received"] == 2
 
 
-def test_idle_flows_are_expired_and_leave_the_report(fake: FakeProbes) -> None:
+def test_idle_flows_leave_the_report_and_polls_never_read_the_flows(fake: FakeProbes) -> None:
     old = (ip_bytes("10.0.0.1"), 1, ip_bytes("10.0.0.2"), 80, L, 200)
     new = (ip_bytes("10.0.0.1"), 2, ip_bytes("10.0.0.2"), 80, L, 200)
     fake.flows = {old: (1, MS, MS, fake.mono_ns - 31 * 10**9),
                   new: (1, MS, MS, fake.mono_ns - 1 * 10**9)}
+    reads: list[bool] = []
+    read_maps = fake.read_maps
+    fake.read_maps = lambda with_flows=True: reads.append(with_flows) or read_maps(with_flows)  # type: ignore[method-assign]
     r = FingerprintReader(fake, flow_idle_s=30)
-    r.poll(time.monotonic())
-    assert fake.expired == [old]
-    # the flow table is read one poll in FLOWS_EVERY: the next read leaves the old flow out
-    for _ in range(FLOWS_EVERY):
+    for _ in range(8):
         r.poll(time.monotonic())
-    assert [row["src"] for row in report(r)["flows"]] == ["10.0.0.1:2"]
+    assert reads == [False] * 8  # the kernel expires rows (LRU); a poll costs no flow
+    rep = report(r)
+    assert [row["src"] for row in rep["flows"]] == ["10.0.0.1:2"] and rep["flow_count"] == 1
 
 
 def test_report_is_an_immutable_snapshot_swapped_by_poll(fake: FakeProbes) -> None:
@@ -259,7 +259,7 @@ def test_flow_rows_escape_model_names_and_survive_odd_figures(fake: FakeProbes) 
     assert rows["[fd00::1]:40000"]["model"] == odd
     assert rows["[fd00::1]:40000"]["mean_ms"] == 1.0
     assert rows["10.0.0.1:1"]["mean_ms"] is None and rows["10.0.0.1:1"]["model"] == "-"
-    assert r.summary()["flow_count"] == 2
+    assert report(r)["flow_count"] == 2
 
 
 def test_report_before_the_first_poll_is_empty_but_well_formed(fake: FakeProbes) -> None:
