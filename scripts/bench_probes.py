@@ -61,6 +61,7 @@ from probes.model_id import model_id  # noqa: E402
 
 PORT = 8080
 SSE_PORT = 8081  # tests/llm_server.py: streamed answers for the cost per event
+UVICORN_PORT = 8082  # (d)
 TTFB = abi.const("LM_HK_TTFB")
 MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3",
           "Qwen/Qwen2.5-14B-Instruct")
@@ -155,6 +156,57 @@ def ratio_phase(probes: ProbeSet, ifname: str, url: str, lua: Path, conns: int,
     return {"ratio": statistics.median(pairs), "pairs": pairs,
             "on": [r for on, r in rates if on], "off": [r for on, r in rates if not on],
             "wrk": result}
+
+
+# (d): the stack vLLM serves on (uvicorn with httptools and uvloop, Starlette), its handler
+# reading the request's JSON and writing an OpenAI-style answer at once: what a request
+# costs an inference server besides the model.
+UVICORN_APP = """
+import contextlib
+
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+async def chat(request):
+    body = await request.json()
+    return JSONResponse({"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris."},
+                                      "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 23, "completion_tokens": 2, "total_tokens": 25}})
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    print("ready", flush=True)
+    yield
+
+app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])], lifespan=lifespan)
+"""
+
+
+def uvicorn_phase(probes: ProbeSet, url: str, lua: Path, conns: int, runs: int,
+                  run_s: float) -> dict:
+    """(d): wrk runs against uvicorn, probes off and on in turn; each on-run's rate and P99
+    against the mean of the off-runs around it."""
+    results: list[tuple[bool, dict]] = []
+    try:
+        for i in range(runs):
+            on = i % 2 == 1
+            probes.resume() if on else probes.pause()
+            results.append((on, run_wrk(url, lua, conns, run_s)))
+    finally:
+        probes.resume()
+    ratios, added = [], []
+    for i in range(1, len(results) - 1):
+        on, r = results[i]
+        if on:
+            before, after = results[i - 1][1], results[i + 1][1]
+            ratios.append(r["rps"] / ((before["rps"] + after["rps"]) / 2))
+            added.append(r["p99_ms"] - (before["p99_ms"] + after["p99_ms"]) / 2)
+    return {"ratio": statistics.median(ratios), "ratios": ratios,
+            "added_p99_ms": statistics.median(added), "added": added,
+            "rps": statistics.median(r["rps"] for _, r in results),
+            "p99_ms": statistics.median(r["p99_ms"] for _, r in results)}
 
 
 def answers(histograms: dict) -> int:
@@ -275,7 +327,8 @@ def reader_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: flo
             t = time.perf_counter()
             report = reader.report_json()
             dumps.append(time.perf_counter() - t)
-            rows.append(json.loads(report)["flow_count"])
+            # Not json.loads: parsing megabytes here would hold the GIL for the loop measured.
+            rows.append(int(re.search(rb'"flow_count":(\d+)', report[:report.index(b'"flows":[')]).group(1)))
 
     async def worst_delay(duration: float) -> float:
         worst = 0.0
@@ -320,6 +373,7 @@ def main() -> int:
     ap.add_argument("--reader-conns", type=int, default=10000)
     ap.add_argument("--stream-clients", type=int, default=8, help="streaming clients for (a)")
     ap.add_argument("--stream-tokens", type=int, default=32, help="tokens per streamed answer")
+    ap.add_argument("--uvicorn-runs", type=int, default=21, help="wrk runs for (d), off and on in turn")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_probes: run as root", file=sys.stderr)
@@ -338,6 +392,10 @@ def main() -> int:
             nettopo.veth_netns("lmk") as topo:
         d = Path(tmp)
         (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, port=PORT))
+        (d / "bench_app.py").write_text(UVICORN_APP)
+        uvicorn_server = [sys.executable, "-m", "uvicorn", "--app-dir", str(d), "--host", "0.0.0.0",
+                          "--port", str(UVICORN_PORT), "--no-access-log", "--log-level", "warning",
+                          "bench_app:app"]
         lua = d / "post.lua"
         lua.write_text(WRK_LUA.format(models=models))
         url = f"http://{topo.ns_v4}:{PORT}/v1/chat/completions"
@@ -346,10 +404,12 @@ def main() -> int:
         sse_server = [sys.executable, str(ROOT / "tests" / "llm_server.py"), "--port",
                       str(SSE_PORT), "--step-ms", "10", "--slots", "64"]
         with topo.ns.popen(["nginx", "-c", str(d / "nginx.conf"), "-g", "daemon off;"]), \
-                topo.ns.popen(sse_server, ready="ready"):
+                topo.ns.popen(sse_server, ready="ready"), topo.ns.popen(uvicorn_server, ready="ready"):
             time.sleep(1)
             run_wrk(url, lua, args.conns, 2)  # warm-up
-            probes = ProbeSet([topo.host_if], [PORT, SSE_PORT], sizes)
+            uvicorn_url = f"http://{topo.ns_v4}:{UVICORN_PORT}/v1/chat/completions"
+            run_wrk(uvicorn_url, lua, args.conns, 2)  # warm-up, and up by now
+            probes = ProbeSet([topo.host_if], [PORT, SSE_PORT, UVICORN_PORT], sizes)
             t = time.perf_counter()
             probes.start()
             start_s = time.perf_counter() - t
@@ -359,6 +419,8 @@ def main() -> int:
                 cost = cost_phase(probes, url, lua, args.conns, args.seconds)
                 stream = stream_phase(probes, f"http://{topo.ns_v4}:{SSE_PORT}",
                                       args.stream_clients, args.seconds, args.stream_tokens)
+                uvicorn = uvicorn_phase(probes, uvicorn_url, lua, args.conns, args.uvicorn_runs,
+                                        args.phase_seconds)
                 reader = reader_phase(probes, url, lua, args.reader_conns, args.seconds)
             finally:
                 probes.stop()
@@ -378,6 +440,14 @@ def main() -> int:
     print(f"(b) requests/s with/without probes: {ratio['ratio']:.3f} (median of "
           f"{len(ratio['pairs'])} {args.phase_seconds:.0f} s on-phases, each against the "
           f"off-phases around it; quartiles {q1:.3f}..{q3:.3f}; goal >= 0.97)")
+    q1, _, q3 = statistics.quantiles(uvicorn["ratios"], n=4)
+    a1, _, a3 = statistics.quantiles(uvicorn["added"], n=4)
+    print(f"(d) uvicorn + Starlette (the stack vLLM serves on), an OpenAI-style JSON handler, "
+          f"{uvicorn['rps']:.0f} req/s, P99 {uvicorn['p99_ms']:.2f} ms: requests/s with/without "
+          f"probes {uvicorn['ratio']:.3f} (median of {len(uvicorn['ratios'])} on-runs against the "
+          f"off-runs around each; quartiles {q1:.3f}..{q3:.3f}; goal >= 0.99); P99 added "
+          f"{uvicorn['added_p99_ms'] * 1000:+.0f} us (quartiles {a1 * 1000:+.0f}..{a3 * 1000:+.0f} "
+          f"us; goal <= 20 us)")
     print(f"(c) P99: probes {cost['probe_p99_ms']:.3f} ms (first byte, on the wire), wrk "
           f"{cost['p99_ms']:.3f} ms (last byte, in wrk) at {cost['rps']:.0f} req/s; the probes "
           f"counted {cost['counted']} responses, wrk {cost['requests']} (wrk leaves out the "
