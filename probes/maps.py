@@ -262,9 +262,12 @@ class MapReader:
                             ctypes.sizeof(infl.Leaf), infl.max_entries)
         self._depth = abi.const("LM_PIPE_DEPTH")
         self._error_names = abi.error_names()
-        # (head, tail, overflow, aflags) of a connection and the port of its key, skipping
-        # the rest
-        self._infl_queue = _fields_struct(self._infl_val, ("head", "tail", "overflow", "aflags"))
+        # A connection's queue and the request it answers, and the port of its key,
+        # skipping the rest (the ring is decoded only where more than one request waits)
+        queue_fields = ("head", "tail", "overflow", "ans_model", "aflags", "ans_ep")
+        if sorted(queue_fields, key=self._infl_val.index) != list(queue_fields):
+            raise TypeError("lm_flow_state: inflight() unpacks its queue fields in this order")
+        self._infl_queue = _fields_struct(self._infl_val, queue_fields)
         self._infl_port = _fields_struct(self._infl_key, ("server_port",))
         self._active = abi.const("LM_A_ACTIVE")
         self._streams = abi.const("LM_A_SSE")
@@ -363,19 +366,22 @@ class MapReader:
         wait. Model 0: unknown yet, or none."""
         keys, values, _ = self._infl.read()
         queues = self._infl_queue.iter_unpack(values)
-        busy = [i for i, (head, tail, over, _flags) in enumerate(queues) if tail != head or over]
+        busy = [(i, q) for i, q in enumerate(queues) if q[0] != q[1] or q[2]]
         vc, vs, ks = self._infl_val, self._infl_val.struct.size, self._infl_key.struct.size
-        hi, ti, oi, fi = (vc.index(f) for f in ("head", "tail", "overflow", "aflags"))
-        ami, aei = vc.index("ans_model"), vc.index("ans_ep")
         model_at = [vc.index(f"ring.{i}.model_id") for i in range(self._depth)]
         ep_of = vc.index("ep")
         mask = self._depth - 1
         counts: dict[EndpointKey, list[int]] = {}
-        for j, i in enumerate(busy):
+        for j, (i, (head, tail, over, ans_model, flags, ans_ep)) in enumerate(busy):
             pause_point(j)
             (port,) = self._infl_port.unpack_from(keys, i * ks)
+            if flags & self._active and (tail - head) & 0xFFFFFFFF == 1 and not over:
+                # Nearly every busy connection: one request, being answered. Its figures
+                # are in the fields read above; the ring need not be decoded.
+                streams, first = flags & self._streams, flags & self._first
+                counts.setdefault((ans_model, port, ans_ep), [0, 0])[0 if streams and not first else 1] += 1
+                continue
             v = vc.struct.unpack_from(values, i * vs)
-            head, tail, over, flags = v[hi], v[ti], v[oi], v[fi]
             eps = v[ep_of]
             queued = [(v[model_at[pos & mask]], port, eps[pos & mask])
                       for pos in range(head, head + min((tail - head) & 0xFFFFFFFF, self._depth))]
@@ -383,7 +389,7 @@ class MapReader:
             if flags & self._active and queued:
                 queued.pop(0)
                 streams, first = flags & self._streams, flags & self._first
-                key = (v[ami], port, v[aei])
+                key = (ans_model, port, ans_ep)
                 counts.setdefault(key, [0, 0])[0 if streams and not first else 1] += 1
             for key in queued:
                 counts.setdefault(key, [0, 0])[0] += 1

@@ -40,6 +40,7 @@ from gossip.membership import Addr  # noqa: E402
 from gossip.snapshot import encode  # noqa: E402
 from gossip.wire import Kind  # noqa: E402
 from gossip_peer import RawPeer, hostile_asks  # noqa: E402
+from gossip_peer import routine as is_routine  # noqa: E402
 from test_hostile_gossip import (NOWHERE, forge_ids, rss_mib, send_records, snapshot, udp_port,  # noqa: E402
                                  wall_ms)
 
@@ -93,11 +94,11 @@ def agents(work: Path, *specs: tuple[str, str]) -> Iterator[list[Agent]]:
 
 
 def answer_bytes(peer: RawPeer, data: bytes, to: Addr, routine: bool = False) -> int:
-    """Bytes `to` sends `peer` after `data`; without the beats and rounds a live peer
-    gets anyway when `routine` is False."""
+    """Bytes `to` sends `peer` after `data`; without what a live peer gets anyway
+    (gossip_peer.routine) unless `routine`."""
     peer.send(data, to)
     return sum(len(d) for d, src in peer.receive(quiet_s=0.5)
-               if src == to and (routine or not (d[3] == Kind.GOSSIP and not d[4] & wire.FLAG_REPLY)))
+               if src == to and (routine or not is_routine(d)))
 
 
 def amplification(work: Path, peers: int) -> None:

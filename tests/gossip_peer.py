@@ -93,3 +93,11 @@ def hostile_asks(known: list[str], newcomer: bytes, version: int) -> dict[str, t
         "content, a node not held": (
             Kind.CONTENT, wire.pack_content([wire.pack_full(0, 0, ("127.0.0.9", 9), newcomer)], 1400)[0], 0),
     }
+
+
+def routine(data: bytes) -> bool:
+    """Whether an agent sends a live peer this datagram on its own initiative, answer to
+    nothing: a beat or a round (gossip not asking for a reply), or a push-pull or dead
+    sync (a sync asking for one). Answers are syncs without the flag, pulls, content."""
+    kind, flags = data[3], data[4]
+    return (kind == Kind.GOSSIP and not flags & wire.FLAG_REPLY) or (kind == Kind.SYNC and flags & wire.FLAG_REPLY)

@@ -23,7 +23,7 @@ from gossip.membership import Addr
 from gossip.snapshot import (MAX_GPUS, MAX_MODELS, Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad,
                              State, encode)
 from gossip.wire import Kind
-from gossip_peer import RawPeer, hostile_asks
+from gossip_peer import RawPeer, hostile_asks, routine
 from metrics_helpers import wait_for
 
 KEY = secrets.token_bytes(32)
@@ -110,14 +110,10 @@ def crowded(request, make_agent, run_dir: Path) -> Iterator[tuple[Target, RawPee
 
 
 def answer_bytes(victim: RawPeer, data: bytes, to: Addr, peer: bool = False) -> int:
-    """What `to` sends `victim` in answer to `data`; for a `peer` of `to`, less the
-    beats and rounds it gets anyway (gossip datagrams not asking for a reply)."""
+    """What `to` sends `victim` in answer to `data`; for a `peer` of `to`, less what it
+    gets anyway (gossip_peer.routine)."""
     victim.send(data, to)
-    got = 0
-    for d, src in victim.receive(quiet_s=0.5):
-        if src == to and not (peer and d[3] == Kind.GOSSIP and not d[4] & wire.FLAG_REPLY):
-            got += len(d)
-    return got
+    return sum(len(d) for d, src in victim.receive(quiet_s=0.5) if src == to and not (peer and routine(d)))
 
 
 def test_no_answer_to_an_unproven_source_is_larger_than_what_it_sent(crowded) -> None:
