@@ -123,6 +123,3 @@ class PeerTokens:
 
     def take_pending(self, addr: Addr) -> list[tuple[int, int, bytes]]:
         return self._pending.pop(addr, [])
-
-    def __len__(self) -> int:
-        return len(self._tokens)

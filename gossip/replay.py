@@ -50,6 +50,3 @@ class ReplayGuard:
         if len(self._seen) > self._max_entries:
             self._seen.popitem(last=False)
         return True
-
-    def __len__(self) -> int:
-        return len(self._seen)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import gc
+import os
 import statistics
 import sys
 import threading
@@ -150,7 +150,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
-    import os
     here = os.cpu_count() or 1
     print(f"reader bench: poll every {POLL_S} s for {args.seconds:g} s; this machine has {here} CPUs")
     print(f"{'rows':>7} {'CPUs':>5} {'how':10} {'poll ms':>8} {'max':>6} {'loop lag ms':>11} "
@@ -174,7 +173,6 @@ def main() -> None:
                           flush=True)
             finally:
                 probes.stop()
-    ctypes.set_errno(0)
 
 
 if __name__ == "__main__":
