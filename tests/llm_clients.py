@@ -8,7 +8,10 @@ last step before the bytes leave), each SSE event when the client library hands 
 and the end when the answer is whole. The first request warms the client up (imports,
 first-use paths of the libraries) under a model name of its own, and is not reported;
 with --warmup-as-model (a server that serves one model, as vLLM) it asks for the model
-and is reported with the rest.
+and is reported with the rest. With --barrier, a warm client says "warm" on stderr and
+waits for a line on stdin before its first measured request: clients started side by side
+then measure together, none of them while another still imports its libraries (a second of
+CPU each, on a small machine a delay in every stopwatch running meanwhile).
 
     python3 tests/llm_clients.py --url http://10.0.0.2:8000 --model m --requests 20 --stream
     -> one JSON line: [{"sent": s, "events": [s, ...], "done": s, "status": 200,
@@ -20,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -36,10 +41,12 @@ def nearest_rank(values: list[float], q: float) -> float:
 def measure(url: str, model: str, requests: int, *, stream: bool, max_tokens: int = 16,
             client: str = "openai", include_usage: bool = False, prompt: str = "hello",
             ignore_eos: bool = False, seconds: float | None = None,
-            warmup_as_model: bool = False) -> list[dict[str, Any]]:
+            warmup_as_model: bool = False,
+            warm: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """ignore_eos: ask vLLM for every max_tokens token (its random-weight test models emit
     their eos token early at random). seconds: start no request past this many seconds
-    after the warm-up, however many of `requests` are left (a benchmark's phase)."""
+    after the warm-up, however many of `requests` are left (a benchmark's phase). warm: called
+between the warm-up and the first measured request."""
     out: list[dict[str, Any]] = []
 
     def trace(name: str, _info: dict[str, Any]) -> None:
@@ -59,6 +66,8 @@ def measure(url: str, model: str, requests: int, *, stream: bool, max_tokens: in
                         http_client=http)
     until = math.inf
     for i in range(requests + 1):
+        if i == 1 and warm is not None:
+            warm()
         if i == 1 and seconds is not None:
             until = time.perf_counter() + seconds
         if time.perf_counter() > until:
@@ -128,12 +137,19 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--seconds", type=float)
     parser.add_argument("--warmup-as-model", action="store_true")
+    parser.add_argument("--barrier", action="store_true")
     a = parser.parse_args()
     print(json.dumps(measure(a.url, a.model, a.requests, stream=a.stream,
                              max_tokens=a.max_tokens, client=a.client,
                              include_usage=a.include_usage, prompt=a.prompt,
                              ignore_eos=a.ignore_eos, seconds=a.seconds,
-                             warmup_as_model=a.warmup_as_model)), flush=True)
+                             warmup_as_model=a.warmup_as_model,
+                             warm=barrier if a.barrier else None)), flush=True)
+
+
+def barrier() -> None:
+    print("warm", file=sys.stderr, flush=True)
+    sys.stdin.readline()
 
 
 if __name__ == "__main__":

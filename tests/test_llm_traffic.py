@@ -209,22 +209,36 @@ def run_threads(n: int, work: Callable[[int], None]) -> None:
 def run_clients(env: Env, model: str, requests: int, max_tokens: tuple[int, ...],
                 **options: object) -> list[Timing]:
     """One client process per max_tokens value, side by side (tests/llm_clients.py): each
-    sends `requests` requests one after another and reports how it saw them."""
+    sends `requests` requests one after another and reports how it saw them. All start
+    measuring once all are warm."""
     procs = []
     for n in max_tokens:
         argv = [*CLIENTS, "--url", env.url(), "--model", model, "--requests", str(requests),
-                "--max-tokens", str(n)]
+                "--max-tokens", str(n), "--barrier"]
         for key, value in options.items():
             if value is True:
                 argv.append(f"--{key.replace('_', '-')}")
             elif value is not False:
                 argv += [f"--{key.replace('_', '-')}", str(value)]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
-    timings = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0
-        timings += [Timing(r["sent"], r["events"], r["done"]) for r in json.loads(out)]
+        procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        for proc in procs:
+            line = proc.stderr.readline()
+            assert line == "warm\n", f"client did not warm up: {line!r}{proc.stderr.read()}"
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        timings = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            timings += [Timing(r["sent"], r["events"], r["done"]) for r in json.loads(out)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return timings
 
 
