@@ -52,7 +52,9 @@ class Request:
 @dataclass
 class Response:
     status: HTTPStatus
-    body: bytes
+    # A tuple is written part by part, the event loop free between parts: a dump of
+    # 100,000 flows is 16 MB, and one copy of it holds the interpreter for 5-10 ms.
+    body: bytes | tuple[bytes, ...]
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
 
@@ -64,15 +66,20 @@ class Response:
     def error(cls, status: HTTPStatus, message: str) -> Response:
         return cls.json({"error": message, "status": status.value}, status)
 
-    def encode(self, keep_alive: bool) -> bytes:
+    def encode(self, keep_alive: bool) -> list[bytes]:
+        """The response's bytes in the parts to write: one for a bytes body."""
+        parts = (self.body,) if isinstance(self.body, bytes) else self.body
         lines = [
             f"HTTP/1.1 {self.status.value} {self.status.phrase}",
             f"Content-Type: {self.content_type}",
-            f"Content-Length: {len(self.body)}",
+            f"Content-Length: {sum(map(len, parts))}",
             "Connection: keep-alive" if keep_alive else "Connection: close",
         ]
         lines.extend(f"{k}: {v}" for k, v in self.headers.items())
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + self.body
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        if isinstance(self.body, bytes):
+            return [head + self.body]
+        return [head, *parts]
 
 
 _METHOD_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ")

@@ -108,5 +108,6 @@ class Connections:
 
 
 async def _send(writer: asyncio.StreamWriter, response: Response, keep_alive: bool) -> None:
-    writer.write(response.encode(keep_alive))
-    await writer.drain()
+    for part in response.encode(keep_alive):
+        writer.write(part)
+        await writer.drain()

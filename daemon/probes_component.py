@@ -158,4 +158,4 @@ class ProbesComponent:
                                   f"probes are not running: {self._health}")
         # a row per flow: a few hundred milliseconds of work with 10,000 connections
         reader = self._reader
-        return asyncio.to_thread(lambda: Response(HTTPStatus.OK, reader.report_json() + b"\n"))
+        return asyncio.to_thread(lambda: Response(HTTPStatus.OK, (*reader.report_json(), b"\n")))

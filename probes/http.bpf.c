@@ -293,6 +293,10 @@ static __always_inline void push_request(struct lm_flow_state *st, u64 now, int 
     st->ring[slot].start_ns = now;
     st->ring[slot].model_id = 0;
     st->ep[slot] = ep;
+    if (st->tail == st->head) { /* the oldest outstanding now: see lm_flow_state.ans_model */
+        st->ans_model = 0;
+        st->ans_ep = ep;
+    }
     if (is_head)
         st->head_mask |= 1 << slot;
     else
@@ -341,6 +345,11 @@ static __always_inline void end_answer(struct lm_ctx *c, struct lm_flow_state *s
     else if (st->overflow)
         st->overflow--;
     st->aflags = 0;
+    if (st->tail != st->head) { /* the next request is the oldest outstanding now */
+        u32 slot = st->head & (LM_PIPE_DEPTH - 1);
+        st->ans_model = st->ring[slot].model_id;
+        st->ans_ep = st->ep[slot];
+    }
 }
 
 /* The connection ends: RST either way, or a FIN. The answer being sent and every request
@@ -406,8 +415,11 @@ static __always_inline void lose_req(struct lm_flow_state *st) {
 static __always_inline void set_model(struct __sk_buff *skb, struct lm_scratch *s,
                                       struct lm_flow_state *st, u64 id, u32 wbase,
                                       int name_here) {
-    if (!st->overflow && st->tail != st->head)
+    if (!st->overflow && st->tail != st->head) {
         st->ring[(st->tail - 1) & (LM_PIPE_DEPTH - 1)].model_id = id;
+        if (st->tail - 1 == st->head && !(st->aflags & LM_A_ACTIVE))
+            st->ans_model = id; /* the oldest outstanding, its answer not begun */
+    }
     if (!name_here)
         return;
     u32 slot = id & (NAMED_SLOTS - 1);
@@ -1274,16 +1286,16 @@ static __always_inline void mapped_v4(__u8 *dst, __be32 addr) {
     d[3] = addr;
 }
 
+/* Per packet of the interface, what comes first is the one test most packets fail: is
+ * either port served? It costs two header copies and two bitmap reads (array lookups the
+ * JIT inlines: no helper call); the scratch, the addresses and the rest of the TCP header
+ * are touched only past it. */
 static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
-    u32 zero = 0;
-    struct lm_scratch *s = scratch.lookup(&zero);
-    if (!s)
-        return PASS;
-    struct lm_ctx *c = &s->c;
     u32 l4, ip_end;
-    __u8 src[16], dst[16];
-    if (skb->protocol == bpf_htons(ETH_P_IP)) {
-        struct iphdr ip;
+    struct iphdr ip;
+    struct ipv6hdr ip6;
+    int v4 = skb->protocol == bpf_htons(ETH_P_IP);
+    if (v4) {
         if (COPY_HDR(skb, l3, &ip) < 0)
             return PASS;
         if (ip.protocol != IPPROTO_TCP || (ip.frag_off & bpf_htons(0x3fff)))
@@ -1293,10 +1305,7 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
         l4 = l3 + ip.ihl * 4;
         u32 tot = bpf_ntohs(ip.tot_len);
         ip_end = tot ? l3 + tot : skb->len; /* 0: a BIG TCP packet */
-        mapped_v4(src, ip.saddr);
-        mapped_v4(dst, ip.daddr);
     } else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
-        struct ipv6hdr ip6;
         if (COPY_HDR(skb, l3, &ip6) < 0)
             return PASS;
         if (ip6.nexthdr != IPPROTO_TCP) /* extension headers before TCP: not followed */
@@ -1304,8 +1313,6 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
         l4 = l3 + sizeof(ip6);
         u32 plen = bpf_ntohs(ip6.payload_len);
         ip_end = plen ? l4 + plen : skb->len;
-        __builtin_memcpy(src, &ip6.saddr, 16);
-        __builtin_memcpy(dst, &ip6.daddr, 16);
     } else {
         return PASS;
     }
@@ -1321,6 +1328,19 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
     else
         return PASS;
 
+    u32 zero = 0;
+    struct lm_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return PASS;
+    struct lm_ctx *c = &s->c;
+    __u8 src[16], dst[16];
+    if (v4) {
+        mapped_v4(src, ip.saddr);
+        mapped_v4(dst, ip.daddr);
+    } else {
+        __builtin_memcpy(src, &ip6.saddr, 16);
+        __builtin_memcpy(dst, &ip6.daddr, 16);
+    }
     struct lm_flow *f = &c->flow;
     if (dir == STEP_REQ) {
         __builtin_memcpy(f->client, src, 16);

@@ -150,7 +150,10 @@ struct lm_flow_state {
     __u8 pad2[6];
     /* The answer being sent (LM_A_ACTIVE): to the oldest outstanding request. */
     __u64 ans_start;  /* its request's start_ns */
-    __u64 ans_model;  /* its request's model_id */
+    /* Its request's model_id and endpoint; also while no answer is being sent, those of
+     * the oldest outstanding request (not beyond the ring): the reader counts a connection
+     * with one request outstanding, nearly every busy one, from these fixed fields. */
+    __u64 ans_model;
     __u64 event_ns;   /* its last data: event */
     __u64 sse_carry;  /* its last 7 bytes searched, oldest in the low byte (LM_A_CARRY) */
     __u32 events;     /* its data: events, [DONE] and errors left out */
@@ -158,7 +161,7 @@ struct lm_flow_state {
     __u32 in_tokens;  /* usage: prompt_tokens (or input_tokens) */
     __u16 status;
     __u16 aflags;     /* LM_A_* */
-    __u8 ans_ep;
+    __u8 ans_ep;      /* see ans_model */
     __u8 pad3[7];
 };
 

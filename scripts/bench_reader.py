@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """The probe reader's cost at the size of a GPU host (issue 16): its poll time and the
-event loop's worst delay while it runs, at 10,000 and 100,000 live flow rows, on this
-machine's CPUs and at 64, 224 and 256.
+event loop's worst delay while it runs, at 10,000 and 100,000 live flows (flow rows, and
+as many connections with requests outstanding), on this machine's CPUs and at 64, 224
+and 256.
 
     sudo .venv/bin/python scripts/bench_reader.py [--seconds 10]
 
 Measured: real probes on a veth (nothing else attached), their `fingerprints` map filled
-with that many flow rows written from user space, the agent's FingerprintReader polling
-every 0.25 s in a worker thread (as the daemon runs it) while an asyncio loop in the main
-thread measures how late its 1 ms sleeps wake; then the same with a dump (`loadmesh dump`)
-every second in a second thread.
+with that many flow rows and `inflight` with as many busy connections (a request waiting,
+a stream running, an answer begun; one in a hundred with a second request behind), written
+from user space; the agent's FingerprintReader polling every 0.25 s in a worker thread (as
+the daemon runs it) while an asyncio loop in the main thread measures how late its 1 ms
+sleeps wake; then the same with a dump (`loadmesh dump`) every second in a second thread.
 
 Synthetic (64, 224, 256 CPUs): a map's per-CPU values are sized by the kernel's possible
 CPUs, which this machine cannot have. A poll's per-CPU reads are the small counter maps
@@ -29,45 +31,80 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import nettopo  # noqa: E402
-from probes import FingerprintReader, MapSizes, ProbeSet  # noqa: E402
+from probes import FingerprintReader, MapSizes, ProbeSet, abi  # noqa: E402
 from probes.maps import MapSnapshot, PortStats  # noqa: E402
 
 POLL_S = 0.25
 PORT = 8000
 
 
+def _write(table: Any, n_rows: int, set_row: Callable[[int, Any, Any], int]) -> int:
+    """n_rows rows written in batches, set_row(i, key, value) filling each; returns the sum
+    of what set_row returned."""
+    chunk, total = 8192, 0
+    for start in range(0, n_rows, chunk):
+        n = min(chunk, n_rows - start)
+        keys, values = (table.Key * n)(), (table.Leaf * n)()
+        total += sum(set_row(start + j, keys[j], values[j]) for j in range(n))
+        table.items_update_batch(keys, values)
+    return total
+
+
+def _connection(flow: Any, i: int) -> None:
+    """Connection i: a client of its own (port and address) to the serving port."""
+    flow.client[10] = flow.client[11] = flow.server[10] = flow.server[11] = 0xFF
+    flow.client[12:16] = list((10 << 24 | i >> 8).to_bytes(4, "big"))
+    flow.server[12:16] = [10, 0, 0, 1]
+    flow.client_port = 1024 + i % 60000
+    flow.server_port = PORT
+    flow.proto = 6
+
+
 def fill(probes: ProbeSet, rows: int) -> None:
     """`rows` flow rows answered just now, written as the probes would (the bench's only
     use of the loader's private handle)."""
-    table = probes._bpf[b"fingerprints"]  # noqa: SLF001
     now = time.monotonic_ns()
-    chunk = 8192
-    for start in range(0, rows, chunk):
-        n = min(chunk, rows - start)
-        keys = (table.Key * n)()
-        values = (table.Leaf * n)()
-        for j in range(n):
-            i = start + j
-            k = keys[j]
-            k.flow.client[10] = k.flow.client[11] = 0xFF
-            k.flow.client[12:16] = list((10 << 24 | i >> 8).to_bytes(4, "big"))
-            k.flow.server[10] = k.flow.server[11] = 0xFF
-            k.flow.server[12:16] = [10, 0, 0, 1]
-            k.flow.client_port = 1024 + i % 60000
-            k.flow.server_port = PORT
-            k.flow.proto = 6
-            k.model_id = 1 + i % 3
-            k.status = 200
-            v = values[j]
-            v.count, v.lat_sum_ns, v.lat_max_ns, v.last_ns = 5, 5_000_000, 2_000_000, now
-        table.items_update_batch(keys, values)
+
+    def row(i: int, k: Any, v: Any) -> int:
+        _connection(k.flow, i)
+        k.model_id = 1 + i % 3
+        k.status = 200
+        v.count, v.lat_sum_ns, v.lat_max_ns, v.last_ns = 5, 5_000_000, 2_000_000, now
+        return 1
+
+    _write(probes._bpf[b"fingerprints"], rows, row)  # noqa: SLF001
+
+
+def fill_inflight(probes: ProbeSet, conns: int) -> int:
+    """`conns` connections with requests outstanding, as the probes keep them: by thirds a
+    request waiting for its answer, a stream sending tokens, a non-streamed answer begun;
+    one in a hundred with a second request pipelined behind. Returns the requests. (The
+    map is an LRU hash: made twice that size, so that none is evicted.)"""
+    active, sse, first = (abi.const(f"LM_A_{k}") for k in ("ACTIVE", "SSE", "FIRST"))
+    depth = abi.const("LM_PIPE_DEPTH")
+    chat = abi.endpoint_names().index("chat")
+
+    def row(i: int, k: Any, v: Any) -> int:
+        _connection(k, i)
+        v.head = 7 * i
+        v.tail = v.head + (2 if i % 100 == 0 else 1)
+        for pos in range(v.head, v.tail):
+            v.ring[pos % depth].model_id = 1 + i % 3
+            v.ep[pos % depth] = chat
+        v.ans_model, v.ans_ep = 1 + i % 3, chat
+        v.aflags = (0, active | sse | first, active)[i % 3]
+        return v.tail - v.head
+
+    return _write(probes._bpf[b"inflight"], conns, row)  # noqa: SLF001
 
 
 class PerCpuCounters:
@@ -158,10 +195,14 @@ def main() -> None:
     sys.setswitchinterval(0.001)  # as the agent runs (daemon/cli.py)
     for rows in (10_000, 100_000):
         with nettopo.veth_netns() as topo:
-            probes = ProbeSet([topo.host_if], [PORT], MapSizes(fingerprints=rows))
+            probes = ProbeSet([topo.host_if], [PORT], MapSizes(fingerprints=rows, inflight=2 * rows))
             probes.start()
             try:
                 fill(probes, rows)
+                requests = fill_inflight(probes, rows)
+                counted = sum(sum(f) for f in probes.read_maps(with_flows=False).inflight.values())
+                if counted != requests:
+                    raise SystemExit(f"in flight: the reader counted {counted} of {requests}")
                 for ncpu in (here, 64, 224, 256):
                     source = probes if ncpu == here else PerCpuCounters(probes, ncpu)
                     quiet = measure(source, args.seconds, dump=False)

@@ -24,6 +24,10 @@ def _echo(req: Request) -> Response:
     return Response.json({"query": req.query, "body": req.json() if req.body else None})
 
 
+def _parts(_: Request) -> Response:
+    return Response(HTTPStatus.OK, tuple(b"%d," % i * 1000 for i in range(50)) + (b"end",))
+
+
 def _boom(_: Request) -> Response:
     raise RuntimeError("handler bug")
 
@@ -52,6 +56,7 @@ class ServerThread:
         router.add("GET", "/echo", _echo)
         router.add("POST", "/echo", _echo)
         router.add("GET", "/boom", _boom)
+        router.add("GET", "/parts", _parts)
         router.add("GET", "/slow", _slow)
         self.server = ApiServer(path, router)
         self.loop = asyncio.new_event_loop()
@@ -126,6 +131,15 @@ def test_hundred_requests_on_one_keep_alive_connection(server: ServerThread) -> 
             status, headers, body = s.response()
             assert status == 200 and headers["connection"] == "keep-alive"
             assert json.loads(body)["query"] == {"i": str(i)}
+
+
+def test_a_body_in_parts_is_one_body_and_the_connection_goes_on(server: ServerThread) -> None:
+    with Conn(server.server.path) as c:
+        c.send(b"GET /parts HTTP/1.1\r\n\r\nGET /echo?a=1 HTTP/1.1\r\n\r\n")
+        status, headers, body = c.response()
+        assert status == 200 and body == b"".join(b"%d," % i * 1000 for i in range(50)) + b"end"
+        assert int(headers["content-length"]) == len(body)
+        assert json.loads(c.response()[2])["query"] == {"a": "1"}
 
 
 def test_pipelined_requests_are_answered_in_order(server: ServerThread) -> None:

@@ -166,15 +166,19 @@ def test_a_flood_from_many_ports_is_held_to_one_address_allowance(make_agent, ru
         for s in socks:
             s.bind(("127.0.0.6", 0))
         junk = wire.seal(Kind.SYNC, 1, b"", Keyring([secrets.token_bytes(32)]), wire.FLAG_REPLY)
+        # In bursts of 1000 that the agent has (nearly) read before the next: sent at
+        # once, 20,000 overflow its 4 MB receive buffer whenever the machine is busy, and
+        # the kernel, not the allowance, drops them.
         started = time.monotonic()
-        for i in range(20_000):
-            socks[i % len(socks)].sendto(junk, target.addr)
+        for burst in range(1, 21):
+            for i in range(1000):
+                socks[i % len(socks)].sendto(junk, target.addr)
+            wait_for(lambda: target.counters()["datagrams_received"] - before["datagrams_received"]
+                     >= 950 * burst, 20.0, f"the flood's burst {burst} received")
         elapsed = time.monotonic() - started
     finally:
         for s in socks:
             s.close()
-    wait_for(lambda: target.counters()["datagrams_received"] - before["datagrams_received"] >= 15_000,
-             20.0, "the flood received")
     counts = target.counters()
     checked = counts["drop_bad_signature"] - before.get("drop_bad_signature", 0)
     # 500/s and a burst of 1000 for the one address, however many ports.

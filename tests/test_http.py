@@ -55,10 +55,16 @@ def test_bad_heads_get_the_status_that_names_the_problem(head: bytes, status: HT
 
 
 def test_response_encoding() -> None:
-    raw = Response.json({"a": 1}).encode(keep_alive=True)
+    (raw,) = Response.json({"a": 1}).encode(keep_alive=True)
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"Content-Length: %d" % len(body) in head
     assert b"Connection: keep-alive" in head
     assert body == b'{"a":1}\n'
-    assert b"Connection: close" in Response.error(HTTPStatus.NOT_FOUND, "x").encode(False)
+    assert b"Connection: close" in Response.error(HTTPStatus.NOT_FOUND, "x").encode(False)[0]
+
+
+def test_a_body_in_parts_is_written_in_those_parts_after_one_head() -> None:
+    head, *parts = Response(HTTPStatus.OK, (b'{"a":[1,', b"2]}")).encode(keep_alive=False)
+    assert parts == [b'{"a":[1,', b"2]}"]
+    assert head.endswith(b"\r\n\r\n") and b"Content-Length: 11\r\n" in head

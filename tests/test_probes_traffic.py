@@ -226,6 +226,22 @@ def test_requests_in_flight_are_counted_per_model_until_answered(env: Env) -> No
         other.close()
 
 
+def test_the_request_left_waiting_after_an_answer_counts_under_its_model(env: Env) -> None:
+    """Two requests pipelined, the first answered: the one left is counted from the
+    fields the kernel fills for the oldest request outstanding (maps.inflight)."""
+    client = Client(env.topo.ns_v4)
+    try:
+        client.send(b"".join(request("left-a", delay_ms=50)) +
+                    b"".join(request("left-b", delay_ms=1500, mode="sse")))
+        assert client.response()[0] == 200
+        inflight = env.probes.read_maps().inflight
+        assert inflight.get((model_id("left-b"), PORT, CHAT)) == (1, 0)
+        assert (model_id("left-a"), PORT, CHAT) not in inflight
+        assert client.response()[0] == 200
+    finally:
+        client.close()
+
+
 def test_p99_within_5_percent_of_the_client(env: Env) -> None:
     model = "p99-model"
     ttfb: list[float] = []
@@ -679,7 +695,7 @@ def test_report_shows_the_traffic(env: Env) -> None:
     client.close()
     time.sleep(0.05)
     reader.poll(time.monotonic())
-    report = json.loads(reader.report_json())
+    report = json.loads(b"".join(reader.report_json()))
     (m,) = [m for m in report["models"] if m["model"] == "report-model"]
     assert m["requests"] == 2 and m["status"] == {"200": 1, "503": 1}
     rows = [r for r in report["flows"] if r["src"] == f"{env.topo.host_v4}:{port}"]

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from probes import FingerprintReader, abi, buckets
-from probes.maps import FlowKey, FlowTable, InFlight, MapSnapshot, PortStats, RequestStats, ip_bytes
+from probes.maps import (YIELD_EVERY, FlowKey, FlowTable, InFlight, MapSnapshot, PortStats,
+                         RequestStats, ip_bytes)
 from probes.model_id import model_id
 from probes.reader import FAILED_S
 
@@ -59,7 +60,7 @@ class FakeProbes:
 
 
 def report(r: FingerprintReader) -> dict[str, Any]:
-    return json.loads(r.report_json())
+    return json.loads(b"".join(r.report_json()))
 
 
 def model(report: dict[str, Any], name: str) -> dict[str, Any]:
@@ -231,6 +232,21 @@ def test_idle_flows_leave_the_report_and_polls_never_read_the_flows(fake: FakePr
     assert [row["src"] for row in rep["flows"]] == ["10.0.0.1:2"] and rep["flow_count"] == 1
 
 
+@pytest.mark.parametrize("flows", [0, 1, YIELD_EVERY, 2 * YIELD_EVERY + 1])
+def test_a_report_of_many_flows_is_whole_json_in_parts_of_a_thousand_rows(
+        fake: FakeProbes, flows: int) -> None:
+    fake.flows = {(ip_bytes("10.0.0.1"), 1024 + i, ip_bytes("10.0.0.2"), 8000, L, 200):
+                  (1, MS, MS, fake.mono_ns) for i in range(flows)}
+    r = FingerprintReader(fake)
+    r.poll(time.monotonic())
+    parts = r.report_json()
+    assert len(parts) == 2 + -(-flows // YIELD_EVERY)  # head, row batches, closing
+    rep = json.loads(b"".join(parts))
+    assert rep["flow_count"] == flows
+    assert sorted(row["src"] for row in rep["flows"]) == sorted(
+        f"10.0.0.1:{1024 + i}" for i in range(flows))
+
+
 def test_report_is_an_immutable_snapshot_swapped_by_poll(fake: FakeProbes) -> None:
     r = FingerprintReader(fake)
     t = time.monotonic()
@@ -243,7 +259,7 @@ def test_report_is_an_immutable_snapshot_swapped_by_poll(fake: FakeProbes) -> No
     r.poll(t + 1)
     assert r.summary() is not summary
     assert json.dumps(summary, sort_keys=True) == summary_json  # the old state is intact
-    assert model(json.loads(before), LLAMA)["requests"] == 1
+    assert model(json.loads(b"".join(before)), LLAMA)["requests"] == 1
     assert model(report(r), LLAMA)["requests"] == 2
 
 
