@@ -7,7 +7,7 @@ Values below 2**SUB_BITS ns get a bucket each; above, every power of two is spli
 lower bound wide, so reporting its midpoint is within 1/32 (3.1%) of any value in it.
 Values clamp below 2**MAX_EXP ns (about 18 minutes), which covers 10 us to 600 s with room.
 
-http.bpf.c's lm_bucket() is the same arithmetic; the loader passes SUB_BITS and MAX_EXP to
+http_record.bpf.c's lm_bucket() is the same arithmetic; the loader passes SUB_BITS and MAX_EXP to
 it so the two cannot drift apart.
 """
 

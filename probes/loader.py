@@ -1,6 +1,6 @@
 """Compiling, attaching and detaching the probes.
 
-ProbeSet.start() compiles http.bpf.c + tcpstats.bpf.c once with BCC (about 2 s, so the
+ProbeSet.start() compiles the C parts (SOURCES) once with BCC (about 2 s, so the
 daemon calls it from a worker thread), attaches the TC programs to each interface (as tcx
 links, or as cls_bpf filters on kernels before 6.6) and the tracepoints, and keeps a record
 of every link, filter and clsact qdisc it added. stop(), and any failure inside start(),
@@ -30,7 +30,10 @@ from .maps import FlowTable, MapReader, MapSnapshot
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = ("http.bpf.c", "tcpstats.bpf.c")
+# Joined into one text in this order (see http.bpf.c's head): each part uses what the
+# parts before it define.
+SOURCES = ("http.bpf.c", "http_record.bpf.c", "http_request.bpf.c", "http_response.bpf.c",
+           "http_sse.bpf.c", "http_entry.bpf.c", "tcpstats.bpf.c")
 MODULES_DIR = Path("/lib/modules")
 KHEADERS = Path("/sys/kernel/kheaders.tar.xz")
 TRACEFS_DIRS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
@@ -332,7 +335,8 @@ class ProbeSet:
             f"-DLM_HIST_MAX_EXP={buckets.MAX_EXP}",
             *kernel_cflags(tracefs),
         ]
-        text = "\n".join((HERE / name).read_text() for name in SOURCES)
+        # #line: the compiler's messages name the part and its own line numbers
+        text = "\n".join(f'#line 1 "{name}"\n' + (HERE / name).read_text() for name in SOURCES)
         try:
             return bcc.BPF(text=text.encode(), cflags=cflags)
         except Exception as exc:

@@ -1,7 +1,8 @@
 /* loadmesh TCP signals per serving port, from tracepoints (kprobes and fentry are not
- * available on the target kernels). Compiled after http.bpf.c in one text (see there): it
- * uses its serving_ports bitmap and port_stats map. Tracepoints see every network namespace of
- * the host, so a client and a server on the same host both count (opened and accepted). */
+ * available on the target kernels). Compiled after the http*.bpf.c parts in one text (see
+ * http.bpf.c): it uses their serving_ports bitmap and port_stats map. Tracepoints see every
+ * network namespace of the host, so a client and a server on the same host both count
+ * (opened and accepted). */
 
 #define LM_TCP_ESTABLISHED 1
 #define LM_TCP_SYN_SENT 2

@@ -1,0 +1,224 @@
+/* Part of the HTTP probe (http.bpf.c): what a request leaves in the maps. Its latency
+ * samples (histogram buckets), the flow's row, the per-model outcome and usage counters,
+ * the connection's queue of outstanding requests and how it ends. Every step program ends
+ * in dispatch(), which is here too. */
+
+/* ---- latency histogram bucket: the same arithmetic as probes/buckets.py ---- */
+
+static __always_inline u32 lm_bucket(u64 v) {
+    if (v >= (1ULL << LM_HIST_MAX_EXP))
+        v = (1ULL << LM_HIST_MAX_EXP) - 1;
+    if (v < (1ULL << LM_HIST_SUB_BITS))
+        return (u32)v;
+    /* floor(log2 v) by binary search: __builtin_clzll crashes this clang */
+    u32 e = 0;
+    u64 x = v;
+    if (x >> 32) { x >>= 32; e += 32; }
+    if (x >> 16) { x >>= 16; e += 16; }
+    if (x >> 8) { x >>= 8; e += 8; }
+    if (x >> 4) { x >>= 4; e += 4; }
+    if (x >> 2) { x >>= 2; e += 2; }
+    if (x >> 1) { e += 1; }
+    u32 shift = e - LM_HIST_SUB_BITS;
+    return ((shift + 1) << LM_HIST_SUB_BITS) + (u32)((v >> shift) - (1ULL << LM_HIST_SUB_BITS));
+}
+
+/* n samples of latency lat (ns) of one kind for the answer being sent. */
+static __always_inline void sample(struct lm_ctx *c, struct lm_flow_state *st, u8 kind,
+                                   u64 lat, u64 n) {
+    /* through the scratch: lm_bucket's 64 paths leave one state behind */
+    c->cur = lm_bucket(lat);
+    struct lm_hist_key hk = {.model_id = st->ans_model, .status = st->status,
+                             .bucket = LOAD(c->cur), .port = c->flow.server_port,
+                             .kind = kind, .endpoint = st->ans_ep};
+    u64 *hv = histograms.lookup(&hk);
+    if (!hv) {
+        u64 zero = 0;
+        histograms.update(&hk, &zero);
+        hv = histograms.lookup(&hk);
+    }
+    if (hv)
+        __sync_fetch_and_add(hv, n);
+    else
+        err(LM_ERR_HIST_FULL);
+}
+
+/* The flow's row: one more answer of this model and status, with its time to first byte. */
+static __always_inline void record_flow(struct lm_ctx *c, u64 model, u16 status, u64 lat) {
+    struct lm_fp_key k = {};
+    __builtin_memcpy(&k.flow, &c->flow, sizeof(k.flow));
+    k.model_id = model;
+    k.status = status;
+    struct lm_fp_val *v = fingerprints.lookup(&k);
+    if (!v) {
+        /* A new row is born with its first answer: one map operation, not three. */
+        struct lm_fp_val first = {.count = 1, .lat_sum_ns = lat, .lat_max_ns = lat,
+                                  .last_ns = c->now};
+        if (!fingerprints.insert(&k, &first))
+            return;
+        v = fingerprints.lookup(&k); /* another CPU made it meanwhile */
+        if (!v) {
+            err(LM_ERR_FP_FULL);
+            return;
+        }
+    }
+    __sync_fetch_and_add(&v->count, 1);
+    __sync_fetch_and_add(&v->lat_sum_ns, lat);
+    /* Racy across CPUs (a larger max written at once elsewhere may be lost), as last_ns:
+     * both are for the operator's eye, no figure depends on them. */
+    if (lat > v->lat_max_ns)
+        v->lat_max_ns = lat;
+    v->last_ns = c->now;
+}
+
+static __always_inline struct lm_req_stats *req_stats(u64 model, u16 port, u8 ep) {
+    struct lm_req_key k = {.model_id = model, .port = port, .endpoint = ep};
+    struct lm_req_stats *v = requests.lookup(&k);
+    if (!v) {
+        struct lm_req_stats zero = {};
+        requests.update(&k, &zero);
+        v = requests.lookup(&k);
+        if (!v)
+            err(LM_ERR_REQUESTS_FULL);
+    }
+    return v;
+}
+
+/* A request that ended with no answer begun: it has no latency, only an outcome. */
+static __always_inline void count_ended(u64 model, u16 port, u8 ep, u32 outcome, u64 n) {
+    struct lm_req_stats *v = req_stats(model, port, ep);
+    if (v)
+        __sync_fetch_and_add(&v->outcomes[outcome % LM_OUT_COUNT], n);
+}
+
+/* ---- the request queue of a connection ---- */
+
+static __always_inline void push_request(struct lm_flow_state *st, u64 now, int is_head, u8 ep) {
+    if (st->overflow || st->tail - st->head >= LM_PIPE_DEPTH) {
+        if (!st->overflow)
+            st->overflow_ns = now;
+        st->overflow++;
+        err(LM_ERR_PIPE_OVERFLOW);
+        return;
+    }
+    u32 slot = st->tail & (LM_PIPE_DEPTH - 1);
+    st->ring[slot].start_ns = now;
+    st->ring[slot].model_id = 0;
+    st->ep[slot] = ep;
+    if (st->tail == st->head) { /* the oldest outstanding now: see lm_flow_state.ans_model */
+        st->ans_model = 0;
+        st->ans_ep = ep;
+    }
+    if (is_head)
+        st->head_mask |= 1 << slot;
+    else
+        st->head_mask &= ~(1 << slot);
+    st->tail++;
+}
+
+/* The answer being sent ends: its latency to the last byte (when known: not after its
+ * framing was lost), its outcome and usage, and its request leaves the queue. */
+static __always_inline void end_answer(struct lm_ctx *c, struct lm_flow_state *st, u32 outcome,
+                                       int timed) {
+    if (!(st->aflags & LM_A_ACTIVE))
+        return;
+    u64 e2e = timed ? seg_time(c) - st->ans_start : 0;
+    u8 kind = LM_HK_E2E;
+    if (st->aflags & LM_A_TTFB) {
+        /* resp_head put the ttfb off (event_ns: the head's time): one sample for both
+         * when the answer ended at that same instant */
+        if (timed && c->now == st->event_ns)
+            kind = LM_HIST_TTFB_E2E;
+        else
+            sample(c, st, LM_HK_TTFB, st->event_ns - st->ans_start, 1);
+    }
+    if (timed)
+        sample(c, st, kind, e2e, 1);
+    if ((st->aflags & LM_A_ERROR) && outcome == LM_OUT_COMPLETE)
+        outcome = LM_OUT_ERROR;
+    struct lm_req_stats *v = req_stats(st->ans_model, c->flow.server_port, st->ans_ep);
+    if (v) {
+        __sync_fetch_and_add(&v->outcomes[outcome % LM_OUT_COUNT], 1);
+        if (st->aflags & LM_A_USAGE) {
+            __sync_fetch_and_add(&v->usage_answers, 1);
+            __sync_fetch_and_add(&v->usage_events, st->events);
+            __sync_fetch_and_add(&v->output_tokens, st->out_tokens);
+        }
+        if (st->in_tokens)
+            __sync_fetch_and_add(&v->prompt_tokens, st->in_tokens);
+        if (timed) {
+            __sync_fetch_and_add(&v->e2e_ns, e2e);
+            __sync_fetch_and_add(&v->e2e_tokens,
+                                 (st->aflags & LM_A_USAGE) ? st->out_tokens : st->events);
+        }
+    }
+    if (st->tail != st->head)
+        st->head++;
+    else if (st->overflow)
+        st->overflow--;
+    st->aflags = 0;
+    if (st->tail != st->head) { /* the next request is the oldest outstanding now */
+        u32 slot = st->head & (LM_PIPE_DEPTH - 1);
+        st->ans_model = st->ring[slot].model_id;
+        st->ans_ep = st->ep[slot];
+    }
+}
+
+/* The connection ends: RST either way, or a FIN. The answer being sent and every request
+ * still queued end with it, by who ended it first. A client's FIN ends its requests too:
+ * HTTP clients do not half-close, they close when they give up (a timeout, a stream read
+ * no further), and the answers that may still come are for no one. The state goes when
+ * nothing more can come (RST, or the server's FIN); until then an answer to no request is
+ * expected, not an error. */
+static __always_inline void close_flow(struct lm_ctx *c, struct lm_flow_state *st,
+                                       int from_client) {
+    if (!c->rst)
+        st->flags |= from_client ? LM_F_FIN_CLIENT : LM_F_FIN_SERVER;
+    int by_client = (st->flags & LM_F_FIN_CLIENT) || (c->rst && from_client);
+    u16 port = c->flow.server_port;
+    if (st->aflags & LM_A_ACTIVE) {
+        u32 outcome = by_client ? LM_OUT_ABORTED : LM_OUT_TRUNCATED;
+        if ((st->aflags & LM_A_DONE) ||
+            ((st->aflags & LM_A_CLOSE) && !from_client && !c->rst))
+            outcome = LM_OUT_COMPLETE; /* the stream had ended, or this FIN ends the body */
+        end_answer(c, st, outcome, outcome == LM_OUT_COMPLETE);
+    }
+    u32 queued = by_client ? LM_OUT_ABORTED : LM_OUT_UNANSWERED;
+#pragma unroll
+    for (int i = 0; i < LM_PIPE_DEPTH; i++) {
+        if (st->head + i == st->tail)
+            break;
+        u32 slot = (st->head + i) & (LM_PIPE_DEPTH - 1);
+        count_ended(st->ring[slot].model_id, port, st->ep[slot], queued, 1);
+    }
+    if (st->overflow)
+        count_ended(0, port, LM_EP_OTHER, queued, st->overflow);
+    st->head = st->tail;
+    st->overflow = 0;
+    /* what the server may still send belongs to no request: nothing to frame */
+    st->flags &= ~(LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED);
+    if (c->rst || !from_client)
+        inflight.delete(&c->flow);
+}
+
+/* Every step ends here: the next step of the segment, if any, then the connection's end
+ * when the segment carried FIN or RST. */
+static __always_inline int dispatch(struct __sk_buff *skb, struct lm_ctx *c, int next) {
+    if (next >= 0)
+        lm_steps.call(skb, next);
+    if (c->fin || c->rst)
+        lm_steps.call(skb, STEP_CLOSE);
+    return PASS;
+}
+
+/* The connection ended: see close_flow. */
+int lm_close(struct __sk_buff *skb) {
+    u32 zero = 0;
+    struct lm_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return PASS;
+    struct lm_flow_state *st = inflight.lookup(&s->c.flow);
+    if (st)
+        close_flow(&s->c, st, s->c.dir == STEP_REQ);
+    return PASS;
+}
