@@ -18,20 +18,20 @@ from typing import Any
 from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
-from daemon import logs
-from daemon.api_server import ApiServer, Router
-from daemon.config import EXIT_CONFIG, Config, open_mesh_refusal
-from daemon.health import Component, State, StartupError
-from daemon.http import Request, Response
-from daemon.gossip_component import GossipComponent
-from daemon.gpu_component import GpuComponent
-from daemon.metrics import AgentCollector
-from daemon.metrics_server import MetricsServer
-from daemon.probes_component import ProbesComponent
-from daemon.reload import Reloader
-from daemon.routing_component import RoutingComponent, routing_config
-from daemon.sd_notify import Notifier
-from daemon.snapshot_component import SnapshotComponent
+from loadmesh.daemon import logs
+from loadmesh.daemon.api_server import ApiServer, Router
+from loadmesh.daemon.config import EXIT_CONFIG, Config, open_mesh_refusal
+from loadmesh.daemon.health import Component, State, StartupError
+from loadmesh.daemon.http import Request, Response
+from loadmesh.daemon.gossip_component import GossipComponent
+from loadmesh.daemon.gpu_component import GpuComponent
+from loadmesh.daemon.metrics import AgentCollector
+from loadmesh.daemon.metrics_server import MetricsServer
+from loadmesh.daemon.probes_component import ProbesComponent
+from loadmesh.daemon.reload import Reloader
+from loadmesh.daemon.routing_component import RoutingComponent, routing_config
+from loadmesh.daemon.sd_notify import Notifier
+from loadmesh.daemon.snapshot_component import SnapshotComponent
 
 log = logs.get("agent")
 

@@ -14,10 +14,10 @@ import inspect
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
-from daemon import logs, unix_socket
-from daemon.health import OK, Health, StartupError
-from daemon.http import MAX_HEAD_BYTES, HttpError, Request, Response
-from daemon.http_server import Connections
+from loadmesh.daemon import logs, unix_socket
+from loadmesh.daemon.health import OK, Health, StartupError
+from loadmesh.daemon.http import MAX_HEAD_BYTES, HttpError, Request, Response
+from loadmesh.daemon.http_server import Connections
 
 Handler = Callable[[Request], Response | Awaitable[Response]]
 

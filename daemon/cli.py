@@ -10,9 +10,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from daemon import config as config_mod
-from daemon import cli_simulate, logs, render
-from daemon.client import AgentUnavailable, ApiError, Client
+from loadmesh.daemon import config as config_mod
+from loadmesh.daemon import cli_simulate, logs, render
+from loadmesh.daemon.client import AgentUnavailable, ApiError, Client
 
 def _fail(message: str, code: int = 1) -> int:
     print(f"loadmesh: {render.printable(message)}", file=sys.stderr)
@@ -33,7 +33,7 @@ def _query(args: argparse.Namespace, path: str) -> Any:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from daemon.agent import Agent  # keeps the operator commands from importing the agent
+    from loadmesh.daemon.agent import Agent  # keeps the operator commands from importing the agent
 
     config = config_mod.load(args.config)
     logs.setup(config.log_level)

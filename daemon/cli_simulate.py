@@ -7,11 +7,11 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from daemon import render
+from loadmesh.daemon import render
 
 
 def _routing(args: argparse.Namespace) -> int:
-    from daemon.routing.simulator import SimConfig, simulate
+    from loadmesh.daemon.routing.simulator import SimConfig, simulate
 
     config = SimConfig() if args.duration is None else replace(SimConfig(), duration_s=args.duration)
     report = simulate(loads=args.loads, seed=args.seed, config=config)
@@ -27,7 +27,7 @@ def _routing_table(report: dict[str, Any]) -> str:
 
 
 def _gossip(args: argparse.Namespace) -> int:
-    from gossip.simulator import simulate
+    from loadmesh.gossip.simulator import simulate
 
     report = simulate(args.nodes, args.seconds, loss=args.loss, latency_ms=args.latency_ms,
                       kill=args.kill, seed=args.seed)

@@ -12,7 +12,7 @@ import socket
 from typing import Any
 from urllib.parse import urlencode
 
-from daemon.config import ApiConfig
+from loadmesh.daemon.config import ApiConfig
 
 DEFAULT_SOCKET = ApiConfig().socket
 

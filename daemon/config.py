@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.score import ScoreWeights
-from gossip.config import GossipParams
+from loadmesh.daemon.score import ScoreWeights
+from loadmesh.gossip.config import GossipParams
 
 _GOSSIP = GossipParams()
 

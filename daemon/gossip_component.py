@@ -10,16 +10,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from daemon import logs
-from daemon.api_server import Router
-from daemon.config import GossipConfig, split_host_port
-from daemon.health import OK, Health, StartupError
-from daemon.http import Request, Response
-from daemon.snapshot_component import SnapshotComponent
-from gossip.config import GossipParams
-from gossip.keyring import Keyring, load_keyring
-from gossip.protocol import PeerView, format_addr
-from gossip.transport import GossipService
+from loadmesh.daemon import logs
+from loadmesh.daemon.api_server import Router
+from loadmesh.daemon.config import GossipConfig, split_host_port
+from loadmesh.daemon.health import OK, Health, StartupError
+from loadmesh.daemon.http import Request, Response
+from loadmesh.daemon.snapshot_component import SnapshotComponent
+from loadmesh.gossip.config import GossipParams
+from loadmesh.gossip.keyring import Keyring, load_keyring
+from loadmesh.gossip.protocol import PeerView, format_addr
+from loadmesh.gossip.transport import GossipService
 
 log = logs.get("gossip")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from daemon import logs
-from daemon.collectors.gpu import GpuCollector, GpuInfo, unhealthy
-from daemon.health import Health, State
-from gossip.snapshot import GpuLoad
+from loadmesh.daemon import logs
+from loadmesh.daemon.collectors.gpu import GpuCollector, GpuInfo, unhealthy
+from loadmesh.daemon.health import Health, State
+from loadmesh.gossip.snapshot import GpuLoad
 
 log = logs.get("gpu")
 

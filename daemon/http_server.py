@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
-from daemon.http import HttpError, Request, Response, parse_head
+from loadmesh.daemon.http import HttpError, Request, Response, parse_head
 
 Dispatch = Callable[[Request], Response | Awaitable[Response]]
 

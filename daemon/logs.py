@@ -46,9 +46,10 @@ class _LineFormatter(logging.Formatter):
         return f"{stamp}.{millis:03d}Z {record.levelname.lower():<7} {source}: {message}"
 
 
-# Loggers of loadmesh's own packages; the modules of probes/ and gossip/ log under their
-# module names, since they must not depend on the daemon.
-_OWN = ("loadmesh", "daemon", "probes", "gossip")
+# Loggers of loadmesh's own code, all under "loadmesh": the components' (loadmesh.<component>)
+# and the modules of probes/ and gossip/, which log under their module names (such as
+# loadmesh.probes.loader) since they must not depend on the daemon.
+_OWN = ("loadmesh",)
 
 
 def setup(level: str) -> None:

@@ -21,17 +21,17 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from daemon.gossip_component import GossipComponent
-from daemon.gpu_component import GpuComponent
-from daemon.health import Component, State
-from daemon.label_cap import OTHER, LabelCap
-from daemon.probes_component import ProbesComponent
-from daemon.reload import Reloader
-from daemon.routing_component import RoutingComponent
-from daemon.snapshot_component import SnapshotComponent
-from gossip.membership import PeerState
-from gossip.snapshot import LoadSnapshot
-from gossip.snapshot import State as NodeState
+from loadmesh.daemon.gossip_component import GossipComponent
+from loadmesh.daemon.gpu_component import GpuComponent
+from loadmesh.daemon.health import Component, State
+from loadmesh.daemon.label_cap import OTHER, LabelCap
+from loadmesh.daemon.probes_component import ProbesComponent
+from loadmesh.daemon.reload import Reloader
+from loadmesh.daemon.routing_component import RoutingComponent
+from loadmesh.daemon.snapshot_component import SnapshotComponent
+from loadmesh.gossip.membership import PeerState
+from loadmesh.gossip.snapshot import LoadSnapshot
+from loadmesh.gossip.snapshot import State as NodeState
 
 # vLLM's buckets for the same figures (vllm:time_to_first_token_seconds,
 # vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds), so that a server's

@@ -18,11 +18,11 @@ from http import HTTPStatus
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from daemon import logs
-from daemon.config import split_host_port
-from daemon.health import OK, Health, State
-from daemon.http import MAX_HEAD_BYTES, Request, Response
-from daemon.http_server import Connections
+from loadmesh.daemon import logs
+from loadmesh.daemon.config import split_host_port
+from loadmesh.daemon.health import OK, Health, State
+from loadmesh.daemon.http import MAX_HEAD_BYTES, Request, Response
+from loadmesh.daemon.http_server import Connections
 
 log = logs.get("metrics")
 

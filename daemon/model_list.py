@@ -18,9 +18,9 @@ import asyncio
 import json
 from collections.abc import Sequence
 
-from daemon import logs
-from gossip.snapshot import MAX_MODELS
-from probes.model_id import model_id
+from loadmesh.daemon import logs
+from loadmesh.gossip.snapshot import MAX_MODELS
+from loadmesh.probes.model_id import model_id
 
 log = logs.get("models")
 

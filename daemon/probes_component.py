@@ -15,16 +15,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from daemon import logs
-from daemon.api_server import Router
-from daemon.config import ProbesConfig
-from daemon.health import OK, Health, State, StartupError
-from daemon.http import Request, Response
-from daemon.snapshot_builder import ModelFigures
-from probes.model_id import NO_MODEL
+from loadmesh.daemon import logs
+from loadmesh.daemon.api_server import Router
+from loadmesh.daemon.config import ProbesConfig
+from loadmesh.daemon.health import OK, Health, State, StartupError
+from loadmesh.daemon.http import Request, Response
+from loadmesh.daemon.snapshot_builder import ModelFigures
+from loadmesh.probes.model_id import NO_MODEL
 
 if TYPE_CHECKING:
-    from probes.reader import LatencyCounts
+    from loadmesh.probes.reader import LatencyCounts
 
 log = logs.get("probes")
 
@@ -52,8 +52,8 @@ class ProbesComponent:
             return
         # Imported here so that an agent without bcc still starts, degraded.
         try:
-            from probes.loader import MapSizes, ProbeSet, ProbeUnavailable
-            from probes.reader import FingerprintReader
+            from loadmesh.probes.loader import MapSizes, ProbeSet, ProbeUnavailable
+            from loadmesh.probes.reader import FingerprintReader
         except ImportError as exc:
             self._unavailable(f"cannot import the probes: {exc}")
             return

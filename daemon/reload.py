@@ -22,14 +22,14 @@ import dataclasses
 import time
 from typing import Any
 
-from daemon import config as config_mod
-from daemon import logs
-from daemon.config import Config, ConfigError
-from daemon.gossip_component import GossipComponent
-from daemon.probes_component import ProbesComponent
-from daemon.routing_component import RoutingComponent, routing_config
-from daemon.snapshot_component import SnapshotComponent
-from gossip.keyring import Keyring, load_keyring
+from loadmesh.daemon import config as config_mod
+from loadmesh.daemon import logs
+from loadmesh.daemon.config import Config, ConfigError
+from loadmesh.daemon.gossip_component import GossipComponent
+from loadmesh.daemon.probes_component import ProbesComponent
+from loadmesh.daemon.routing_component import RoutingComponent, routing_config
+from loadmesh.daemon.snapshot_component import SnapshotComponent
+from loadmesh.gossip.keyring import Keyring, load_keyring
 
 log = logs.get("reload")
 

@@ -14,15 +14,15 @@ from collections import Counter
 from http import HTTPStatus
 from typing import Any
 
-from daemon import logs
-from daemon.api_server import Router as ApiRouter
-from daemon.config import RoutingConfig as RoutingSettings
-from daemon.gossip_component import GossipComponent
-from daemon.health import OK, Health
-from daemon.http import HttpError, Request, Response
-from daemon.routing import OUTCOMES, Decision, PeerInput, Router, RoutingConfig
-from daemon.snapshot_component import SnapshotComponent
-from gossip.membership import PeerState
+from loadmesh.daemon import logs
+from loadmesh.daemon.api_server import Router as ApiRouter
+from loadmesh.daemon.config import RoutingConfig as RoutingSettings
+from loadmesh.daemon.gossip_component import GossipComponent
+from loadmesh.daemon.health import OK, Health
+from loadmesh.daemon.http import HttpError, Request, Response
+from loadmesh.daemon.routing import OUTCOMES, Decision, PeerInput, Router, RoutingConfig
+from loadmesh.daemon.snapshot_component import SnapshotComponent
+from loadmesh.gossip.membership import PeerState
 
 log = logs.get("routing")
 

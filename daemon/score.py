@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 
 from typing import Protocol
 
-from gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
+from loadmesh.gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
 
 
 @dataclass(frozen=True)

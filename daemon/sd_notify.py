@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Mapping
 
-from daemon import logs
+from loadmesh.daemon import logs
 
 log = logs.get("sd_notify")
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from daemon.score import (
+from loadmesh.daemon.score import (
     ModelRates,
     QueueGauge,
     ScoreConfig,
@@ -18,8 +18,8 @@ from daemon.score import (
     instant_score,
     state_for,
 )
-from daemon.versioning import Change, ChangeDetector, VersionClock, wall_ms
-from gossip.snapshot import (
+from loadmesh.daemon.versioning import Change, ChangeDetector, VersionClock, wall_ms
+from loadmesh.gossip.snapshot import (
     MAX_GPUS,
     MAX_IN_FLIGHT,
     MAX_LATENCY_MS,

@@ -16,21 +16,21 @@ from pathlib import Path
 
 import psutil
 
-from daemon import logs
-from daemon.api_server import Router
-from daemon.collectors.host import HostCollector
-from daemon.config import Config, split_host_port
-from daemon.gpu_component import GpuComponent
-from daemon.health import OK, Health, StartupError, State
-from daemon.http import Request, Response
-from daemon.model_list import ModelLister
-from daemon.probes_component import POLL_S, ProbesComponent
-from daemon.score import ScoreConfig
-from daemon.snapshot_builder import ModelFigures, SnapshotBuilder
-from daemon.snapshot_view import snapshot_json
-from daemon.state_files import BadStateFile, flag_set, set_flag
-from daemon.versioning import ChangeDetector, VersionClock, VersionStore
-from gossip.snapshot import Endpoint, GpuLoad, LoadSnapshot
+from loadmesh.daemon import logs
+from loadmesh.daemon.api_server import Router
+from loadmesh.daemon.collectors.host import HostCollector
+from loadmesh.daemon.config import Config, split_host_port
+from loadmesh.daemon.gpu_component import GpuComponent
+from loadmesh.daemon.health import OK, Health, StartupError, State
+from loadmesh.daemon.http import Request, Response
+from loadmesh.daemon.model_list import ModelLister
+from loadmesh.daemon.probes_component import POLL_S, ProbesComponent
+from loadmesh.daemon.score import ScoreConfig
+from loadmesh.daemon.snapshot_builder import ModelFigures, SnapshotBuilder
+from loadmesh.daemon.snapshot_view import snapshot_json
+from loadmesh.daemon.state_files import BadStateFile, flag_set, set_flag
+from loadmesh.daemon.versioning import ChangeDetector, VersionClock, VersionStore
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, LoadSnapshot
 
 log = logs.get("snapshot")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from daemon.collectors.gpu import GpuInfo
-from gossip.snapshot import LoadSnapshot
+from loadmesh.daemon.collectors.gpu import GpuInfo
+from loadmesh.gossip.snapshot import LoadSnapshot
 
 
 def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],

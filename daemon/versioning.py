@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.state_files import BadStateFile, read_state_file, write_state_file
-from gossip.snapshot import MAX_CLOCK, LoadSnapshot
+from loadmesh.daemon.state_files import BadStateFile, read_state_file, write_state_file
+from loadmesh.gossip.snapshot import MAX_CLOCK, LoadSnapshot
 
 log = logging.getLogger(__name__)
 

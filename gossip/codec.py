@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gossip import delta
-from gossip.snapshot import LoadSnapshot, decode
+from loadmesh.gossip import delta
+from loadmesh.gossip.snapshot import LoadSnapshot, decode
 
 
 class _Memo:

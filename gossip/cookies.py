@@ -22,7 +22,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 
-from gossip.membership import Addr
+from loadmesh.gossip.membership import Addr
 
 
 def _addr_bytes(addr: Addr) -> bytes:

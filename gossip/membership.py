@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from gossip.snapshot import LoadSnapshot
+from loadmesh.gossip.snapshot import LoadSnapshot
 
 Addr = tuple[str, int]
 

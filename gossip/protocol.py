@@ -50,20 +50,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from gossip import wire
-from gossip.broadcasts import BroadcastQueue
-from gossip.codec import ContentCodec
-from gossip.config import GossipParams
-from gossip.cookies import AddressCookies, PeerTokens
-from gossip.delta import DeltaError
-from gossip.keyring import Keyring
-from gossip.membership import Addr, Peer, PeerState, PeerTable
-from gossip.pulls import PullTracker
-from gossip.ratelimit import SourceLimiter, TokenBucket, source_key
-from gossip.replay import ReplayGuard
-from gossip.snapshot import LoadSnapshot, SnapshotError, encode
-from gossip.suspicion import Prober
-from gossip.wire import DeltaRecord, FullRecord, Kind, WireError
+from loadmesh.gossip import wire
+from loadmesh.gossip.broadcasts import BroadcastQueue
+from loadmesh.gossip.codec import ContentCodec
+from loadmesh.gossip.config import GossipParams
+from loadmesh.gossip.cookies import AddressCookies, PeerTokens
+from loadmesh.gossip.delta import DeltaError
+from loadmesh.gossip.keyring import Keyring
+from loadmesh.gossip.membership import Addr, Peer, PeerState, PeerTable
+from loadmesh.gossip.pulls import PullTracker
+from loadmesh.gossip.ratelimit import SourceLimiter, TokenBucket, source_key
+from loadmesh.gossip.replay import ReplayGuard
+from loadmesh.gossip.snapshot import LoadSnapshot, SnapshotError, encode
+from loadmesh.gossip.suspicion import Prober
+from loadmesh.gossip.wire import DeltaRecord, FullRecord, Kind, WireError
 
 Outgoing = list[tuple[Addr, bytes]]
 

@@ -12,7 +12,7 @@ bounded by `max_entries`, like the peer table.
 from __future__ import annotations
 
 import heapq
-from gossip.membership import Addr
+from loadmesh.gossip.membership import Addr
 
 # A pull in flight: (version asked, version held, asked from, answer due by, tries so far).
 _Pull = tuple[int, int, Addr, int, int]

@@ -34,13 +34,13 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from gossip.codec import ContentCodec
-from gossip.config import GossipParams
-from gossip.keyring import Keyring
-from gossip.membership import Peer, PeerState
-from gossip.protocol import GossipCore, Outgoing, node_key
-from gossip.snapshot import encode
-from gossip.workload import TICK_MS, NodeLoad
+from loadmesh.gossip.codec import ContentCodec
+from loadmesh.gossip.config import GossipParams
+from loadmesh.gossip.keyring import Keyring
+from loadmesh.gossip.membership import Peer, PeerState
+from loadmesh.gossip.protocol import GossipCore, Outgoing, node_key
+from loadmesh.gossip.snapshot import encode
+from loadmesh.gossip.workload import TICK_MS, NodeLoad
 
 _START, _TICK, _DELIVER, _LOAD, _KILL = range(5)
 _WALL_EPOCH_MS = 1_764_000_000_000

@@ -16,12 +16,12 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from gossip.config import GossipParams
-from gossip.discovery import Discovery
-from gossip.keyring import Keyring
-from gossip.membership import Addr
-from gossip.protocol import GossipCore, Outgoing, PeerView, format_addr
-from gossip.snapshot import LoadSnapshot
+from loadmesh.gossip.config import GossipParams
+from loadmesh.gossip.discovery import Discovery
+from loadmesh.gossip.keyring import Keyring
+from loadmesh.gossip.membership import Addr
+from loadmesh.gossip.protocol import GossipCore, Outgoing, PeerView, format_addr
+from loadmesh.gossip.snapshot import LoadSnapshot
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from enum import IntEnum
 
 import msgpack
 
-from gossip.keyring import TAG_BYTES, Keyring
+from loadmesh.gossip.keyring import TAG_BYTES, Keyring
 
 MAGIC = b"LM"
 PROTOCOL_VERSION = 2

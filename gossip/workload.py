@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 
-from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
 
 TICK_MS = 1000
 STEP = 0.031

@@ -31,10 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from gossip.config import GossipParams
-from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, ModelLoad, State
-from gossip.transport import GossipService
-from probes.model_id import model_id
+from loadmesh.gossip.config import GossipParams
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, ModelLoad, State
+from loadmesh.gossip.transport import GossipService
+from loadmesh.probes.model_id import model_id
 
 MODEL = "bench-llama-70b"
 LOADMESH = str(Path(sys.executable).with_name("loadmesh"))
@@ -142,7 +142,7 @@ def main() -> int:
             while not os.path.exists(sock) and time.monotonic() < deadline:
                 time.sleep(0.1)
             with FakePeers(args.peers - 1, "127.0.0.1:17946"):
-                from daemon.client import Client
+                from loadmesh.daemon.client import Client
                 with Client(sock) as client:
                     deadline = time.monotonic() + 60
                     while time.monotonic() < deadline:

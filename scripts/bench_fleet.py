@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT / "tests"))
 
-from daemon.client import AgentUnavailable, ApiError, Client  # noqa: E402
+from loadmesh.daemon.client import AgentUnavailable, ApiError, Client  # noqa: E402
 from fleet import (BIN_S, STREAMED, Host, affinity, answers, arrivals, capacity_rps,  # noqa: E402
                    fleet, get_json, host_bins, started, worst_bin)
 from llm_clients import nearest_rank  # noqa: E402

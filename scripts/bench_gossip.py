@@ -22,11 +22,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from gossip.simulator import simulate  # noqa: E402
+from loadmesh.gossip.simulator import simulate
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT / "tests"))
 
-from daemon.client import AgentUnavailable, ApiError, Client  # noqa: E402
-from gossip import wire  # noqa: E402
-from gossip.keyring import Keyring  # noqa: E402
-from gossip.membership import Addr  # noqa: E402
-from gossip.snapshot import encode  # noqa: E402
-from gossip.wire import Kind  # noqa: E402
+from loadmesh.daemon.client import AgentUnavailable, ApiError, Client  # noqa: E402
+from loadmesh.gossip import wire  # noqa: E402
+from loadmesh.gossip.keyring import Keyring  # noqa: E402
+from loadmesh.gossip.membership import Addr  # noqa: E402
+from loadmesh.gossip.snapshot import encode  # noqa: E402
+from loadmesh.gossip.wire import Kind  # noqa: E402
 from gossip_peer import RawPeer, hostile_asks  # noqa: E402
 from gossip_peer import routine as is_routine  # noqa: E402
 from test_hostile_gossip import (NOWHERE, forge_ids, rss_mib, send_records, snapshot, udp_port,  # noqa: E402

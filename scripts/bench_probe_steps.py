@@ -30,14 +30,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
 from crafted import CLIENT, SERVER, Connection, frame, test_run  # noqa: E402
 
-from probes import abi  # noqa: E402
-from probes.maps import MapSnapshot  # noqa: E402
+from loadmesh.probes import abi  # noqa: E402
+from loadmesh.probes.maps import MapSnapshot  # noqa: E402
 
 PORT = 8080
 

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT / "tests"))
 
 import nettopo  # noqa: E402
-from probes import FingerprintReader, MapSizes, ProbeSet, abi  # noqa: E402
-from probes.maps import MapSnapshot, PortStats  # noqa: E402
+from loadmesh.probes import FingerprintReader, MapSizes, ProbeSet, abi  # noqa: E402
+from loadmesh.probes.maps import MapSnapshot, PortStats  # noqa: E402
 
 POLL_S = 0.25
 PORT = 8000

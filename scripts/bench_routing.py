@@ -17,11 +17,8 @@ import argparse
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from daemon.routing.simulator import LOADS, ServerKind, SimConfig, goal_checks, simulate  # noqa: E402
+from loadmesh.daemon.routing.simulator import LOADS, ServerKind, SimConfig, goal_checks, simulate
 
 BENCH_FLEET = SimConfig(
     fleet=(ServerKind("h1-h3", 3, 2, 1.0), ServerKind("h4", 1, 2, 0.5), ServerKind("h5", 1, 1, 1.0)),

@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT / "tests"))
 
 import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
 from llm_clients import nearest_rank  # noqa: E402
 from metrics_helpers import free_port, wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from daemon.client import ApiError, Client  # noqa: E402
+from loadmesh.daemon.client import ApiError, Client  # noqa: E402
 
 MODEL = "tiny"
 PORT = 8000

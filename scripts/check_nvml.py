@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from daemon.collectors.gpu import GpuCollector
+from loadmesh.daemon.collectors.gpu import GpuCollector
 
 
 def main() -> int:

@@ -44,7 +44,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
-cp -r "$here/pyproject.toml" "$here/README.md" "$here/daemon" "$here/probes" "$here/gossip" "$src/"
+cp -r "$here/pyproject.toml" "$here/README.md" "$here/src" "$here/daemon" "$here/probes" "$here/gossip" "$src/"
 find "$src" -name __pycache__ -prune -exec rm -rf {} +
 say "installing loadmesh into $venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
@@ -83,14 +83,14 @@ if [ ! -e "$conf" ]; then
   # file is the one value this script sets.
   { echo "# Installed by loadmesh's scripts/install.sh. Uncomment and change what this host needs;"
     echo "# \`loadmesh config check $confdir/loadmesh.toml\` validates, \`systemctl reload loadmesh\` applies."
-    "$venv/bin/python" -I -m daemon config defaults \
+    "$venv/bin/python" -I -m loadmesh.daemon config defaults \
       | sed -e 's/^\([a-z_]* = \)/# \1/' -e "s|^# key_file = \"\"|key_file = \"$confdir/gossip.key\"|"
   } > "$conf"
   chmod 0644 "$conf"
 else
   say "keeping the existing $conf"
 fi
-"$venv/bin/python" -I -m daemon config check "$conf" >/dev/null \
+"$venv/bin/python" -I -m loadmesh.daemon config check "$conf" >/dev/null \
   || die "$conf does not pass \`loadmesh config check\` with this version: fix it, then run again"
 
 install -d -m 0755 "$(dirname "$destdir$unit")"

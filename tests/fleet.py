@@ -35,7 +35,7 @@ from typing import Any
 import nettopo
 from metrics_helpers import wait_for
 
-from daemon.client import AgentUnavailable, ApiError, Client
+from loadmesh.daemon.client import AgentUnavailable, ApiError, Client
 
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 8000

@@ -6,10 +6,10 @@ from __future__ import annotations
 import socket
 import time
 
-from gossip import wire
-from gossip.keyring import Keyring
-from gossip.membership import Addr
-from gossip.wire import Kind
+from loadmesh.gossip import wire
+from loadmesh.gossip.keyring import Keyring
+from loadmesh.gossip.membership import Addr
+from loadmesh.gossip.wire import Kind
 
 
 class RawPeer:

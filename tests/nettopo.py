@@ -27,13 +27,11 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from probes import ProbeSet
+    from loadmesh.probes import ProbeSet
 
-_ROOT = Path(__file__).resolve().parent.parent
 _counter = itertools.count()
 # Per-process subnet numbers: 10.<A>.<B>.0/24 and fd6c:6d<A>:<B>::/64 with A from the pid,
 # B from a counter, so concurrent test processes and topologies get disjoint addresses.
@@ -221,9 +219,8 @@ def qdisc_kinds(ifname: str, ns: Netns | None = None) -> list[str]:
 
 
 _TCX_QUERY = """
-import json, socket, sys
-sys.path.insert(0, {root!r})
-from probes import tcx
+import json, socket
+from loadmesh.probes import tcx
 idx = socket.if_nametoindex({ifname!r})
 print(json.dumps(tcx.prog_ids(idx, {ingress!r})))
 """
@@ -231,12 +228,12 @@ print(json.dumps(tcx.prog_ids(idx, {ingress!r})))
 
 def tcx_progs(ifname: str, direction: str, ns: Netns | None = None) -> list[int]:
     """Ids of the programs on an interface's tcx hook ("ingress" or "egress")."""
-    from probes import tcx
+    from loadmesh.probes import tcx
 
     ingress = direction == "ingress"
     if ns is None:
         return tcx.prog_ids(socket.if_nametoindex(ifname), ingress)
-    code = _TCX_QUERY.format(root=str(_ROOT), ifname=ifname, ingress=ingress)
+    code = _TCX_QUERY.format(ifname=ifname, ingress=ingress)
     return json.loads(ns.run([sys.executable, "-c", code]).stdout)
 
 
@@ -258,7 +255,7 @@ def probes_on(ifname: str, ports: Sequence[int]) -> Iterator[ProbeSet]:
     but not as root (CI): there a skip would hide a broken probe."""
     import pytest
 
-    from probes import ProbeSet, ProbeUnavailable
+    from loadmesh.probes import ProbeSet, ProbeUnavailable
 
     probes = ProbeSet([ifname], list(ports))
     try:

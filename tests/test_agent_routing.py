@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import LOADMESH, agent_config
-from daemon.client import ApiError, Client
+from loadmesh.daemon.client import ApiError, Client
 
 
 def test_best_feedback_and_no_candidate(make_agent, run_dir: Path) -> None:

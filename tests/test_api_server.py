@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.api_server import ApiServer, Router
-from daemon.client import AgentUnavailable, ApiError, Client
-from daemon.health import StartupError
-from daemon.http import HttpError, Request, Response
+from loadmesh.daemon.api_server import ApiServer, Router
+from loadmesh.daemon.client import AgentUnavailable, ApiError, Client
+from loadmesh.daemon.health import StartupError
+from loadmesh.daemon.http import HttpError, Request, Response
 
 
 def _echo(req: Request) -> Response:

@@ -7,7 +7,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probes import buckets
+from loadmesh.probes import buckets
 
 values = st.integers(min_value=0, max_value=buckets.MAX_VALUE)
 

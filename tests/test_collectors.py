@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon import gpu_component
-from daemon.collectors.gpu import GpuCollector, GpuInfo
-from daemon.collectors.host import HostCollector, read_cpu_pressure
-from daemon.gpu_component import GpuComponent
-from daemon.health import State
-from gossip.snapshot import HostLoad
+from loadmesh.daemon import gpu_component
+from loadmesh.daemon.collectors.gpu import GpuCollector, GpuInfo
+from loadmesh.daemon.collectors.host import HostCollector, read_cpu_pressure
+from loadmesh.daemon.gpu_component import GpuComponent
+from loadmesh.daemon.health import State
+from loadmesh.gossip.snapshot import HostLoad
 
 # --- host --------------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import config
-from daemon.config import ConfigError
+from loadmesh.daemon import config
+from loadmesh.daemon.config import ConfigError
 
 
 def parse_error(text: str) -> ConfigError:

@@ -7,15 +7,15 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossip.broadcasts import BroadcastQueue
-from gossip.cookies import AddressCookies, PeerTokens
-from gossip.membership import PeerState, PeerTable
-from gossip.pulls import PullTracker
-from gossip.ratelimit import SourceLimiter, TokenBucket, source_key
-from gossip.replay import ReplayGuard
-from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
-from gossip.suspicion import Prober
-from gossip.wire import node_key
+from loadmesh.gossip.broadcasts import BroadcastQueue
+from loadmesh.gossip.cookies import AddressCookies, PeerTokens
+from loadmesh.gossip.membership import PeerState, PeerTable
+from loadmesh.gossip.pulls import PullTracker
+from loadmesh.gossip.ratelimit import SourceLimiter, TokenBucket, source_key
+from loadmesh.gossip.replay import ReplayGuard
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from loadmesh.gossip.suspicion import Prober
+from loadmesh.gossip.wire import node_key
 
 ADDR = ("10.0.0.1", 7946)
 

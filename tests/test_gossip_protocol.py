@@ -12,13 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossip import wire
-from gossip.config import GossipParams
-from gossip.keyring import Keyring
-from gossip.membership import Addr, PeerState
-from gossip.protocol import GossipCore, Outgoing
-from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
-from gossip.wire import Kind
+from loadmesh.gossip import wire
+from loadmesh.gossip.config import GossipParams
+from loadmesh.gossip.keyring import Keyring
+from loadmesh.gossip.membership import Addr, PeerState
+from loadmesh.gossip.protocol import GossipCore, Outgoing
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from loadmesh.gossip.wire import Kind
 
 WALL = 1_764_000_000_000
 KEY_A = bytes(range(32))

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gossip.config import GossipParams
-from gossip.simulator import simulate
+from loadmesh.gossip.config import GossipParams
+from loadmesh.gossip.simulator import simulate
 
 FIXED = {"nodes", "convergence_p50_s", "convergence_p99_s", "urgent_p99_s", "bytes_per_node_per_s",
          "max_datagram_bytes", "false_dead", "detect_dead_p99_s"}

@@ -10,12 +10,12 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from gossip import discovery as discovery_module
-from gossip.config import GossipParams
-from gossip.keyring import Keyring
-from gossip.membership import PeerState
-from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State
-from gossip.transport import GossipService, parse_seed
+from loadmesh.gossip import discovery as discovery_module
+from loadmesh.gossip.config import GossipParams
+from loadmesh.gossip.keyring import Keyring
+from loadmesh.gossip.membership import PeerState
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State
+from loadmesh.gossip.transport import GossipService, parse_seed
 
 KEY = bytes(range(32))
 PARAMS = GossipParams(interval_ms=50, beat_interval_ms=200, suspect_after_ms=1500, dead_after_ms=3000,
@@ -135,7 +135,7 @@ def test_seed_given_by_name_is_resolved() -> None:
 
 def test_open_mesh_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        with caplog.at_level(logging.WARNING, logger="gossip.transport"):
+        with caplog.at_level(logging.WARNING, logger="loadmesh.gossip.transport"):
             services = await start_mesh(2, keyring=None)
             try:
                 await wait_for(lambda: all(len(s.snapshots()) == 2 for s in services))

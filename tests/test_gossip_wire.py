@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossip import delta, wire
-from gossip.codec import ContentCodec
-from gossip.keyring import TAG_BYTES, Keyring, load_keyring
-from gossip.snapshot import encode
-from gossip.wire import Kind, WireError
-from gossip.workload import NodeLoad
+from loadmesh.gossip import delta, wire
+from loadmesh.gossip.codec import ContentCodec
+from loadmesh.gossip.keyring import TAG_BYTES, Keyring, load_keyring
+from loadmesh.gossip.snapshot import encode
+from loadmesh.gossip.wire import Kind, WireError
+from loadmesh.gossip.workload import NodeLoad
 
 KEY_A = bytes(range(32))
 KEY_B = bytes(range(1, 33))

@@ -19,9 +19,9 @@ import pytest
 import nettopo
 from conftest import LOADMESH, agent_config
 from gossip_peer import RawPeer
-from gossip import wire
-from gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
-from gossip.wire import Kind
+from loadmesh.gossip import wire
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from loadmesh.gossip.wire import Kind
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 
 SERVER = [sys.executable, str(Path(__file__).with_name("probe_servers.py"))]
@@ -231,8 +231,8 @@ def test_distinct_model_names_fold_into_one_series_past_the_cap(make_agent, run_
 def test_idle_connections_cannot_keep_real_clients_out(make_agent, run_dir: Path) -> None:
     # Every slot of both listeners held by connections that never send a byte: the next
     # client still gets its answer, and the longest-waiting idle one is closed for it.
-    from daemon.api_server import MAX_CONNECTIONS as API_SLOTS
-    from daemon.metrics_server import MAX_CONNECTIONS as METRICS_SLOTS
+    from loadmesh.daemon.api_server import MAX_CONNECTIONS as API_SLOTS
+    from loadmesh.daemon.metrics_server import MAX_CONNECTIONS as METRICS_SLOTS
 
     port = free_port()
     sock = str(run_dir / "loadmesh.sock")

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from conftest import agent_config
-from daemon.client import Client
-from gossip import wire
-from gossip.keyring import Keyring
-from gossip.membership import Addr
-from gossip.snapshot import (MAX_GPUS, MAX_MODELS, Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad,
+from loadmesh.daemon.client import Client
+from loadmesh.gossip import wire
+from loadmesh.gossip.keyring import Keyring
+from loadmesh.gossip.membership import Addr
+from loadmesh.gossip.snapshot import (MAX_GPUS, MAX_MODELS, Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad,
                              State, encode)
-from gossip.wire import Kind
+from loadmesh.gossip.wire import Kind
 from gossip_peer import RawPeer, hostile_asks, routine
 from metrics_helpers import wait_for
 

@@ -6,7 +6,7 @@ from http import HTTPStatus
 
 import pytest
 
-from daemon.http import MAX_BODY_BYTES, HttpError, Response, parse_head
+from loadmesh.daemon.http import MAX_BODY_BYTES, HttpError, Response, parse_head
 
 
 def test_request_line_headers_and_query() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gossip.keyring import load_keyring
+from loadmesh.gossip.keyring import load_keyring
 
 REPO = Path(__file__).parents[1]
 HOST_PATHS = [Path(p) for p in ("/opt/loadmesh", "/etc/loadmesh", "/etc/systemd/system/loadmesh.service",
@@ -27,7 +27,7 @@ def run(script: str, destdir: Path) -> subprocess.CompletedProcess[str]:
 def loadmesh(destdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The installed package, run from the staging tree (its scripts name /opt)."""
     python = destdir / "opt/loadmesh/venv/bin/python"
-    return subprocess.run([str(python), "-I", "-m", "daemon", *args], capture_output=True,
+    return subprocess.run([str(python), "-I", "-m", "loadmesh.daemon", *args], capture_output=True,
                           text=True, timeout=60)
 
 

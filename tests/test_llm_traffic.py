@@ -27,9 +27,9 @@ import pytest
 
 import nettopo
 from llm_clients import nearest_rank
-from probes import ProbeSet, abi, buckets
-from probes.maps import MapSnapshot
-from probes.model_id import model_id
+from loadmesh.probes import ProbeSet, abi, buckets
+from loadmesh.probes.maps import MapSnapshot
+from loadmesh.probes.model_id import model_id
 
 pytestmark = pytest.mark.root
 SERVER = [sys.executable, str(Path(__file__).with_name("llm_server.py"))]

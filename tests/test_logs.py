@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = """
-from daemon import logs
+from loadmesh.daemon import logs
 logs.setup("info")
 logs.get("agent").info("node %s ready", "n1")
 logs.get("gossip").warning("two\\nlines")

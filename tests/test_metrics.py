@@ -22,17 +22,17 @@ from prometheus_client.registry import CollectorRegistry
 
 import nettopo
 from conftest import agent_config
-from daemon.client import ApiError, Client
-from daemon.collectors.gpu import GpuInfo
-from daemon.health import Health, State
-from daemon.metrics import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, AgentCollector
-from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad
-from gossip.snapshot import State as NodeState
+from loadmesh.daemon.client import ApiError, Client
+from loadmesh.daemon.collectors.gpu import GpuInfo
+from loadmesh.daemon.health import Health, State
+from loadmesh.daemon.metrics import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, AgentCollector
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad
+from loadmesh.gossip.snapshot import State as NodeState
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
-from probes import abi, buckets
-from probes.maps import FlowTable, MapSnapshot
-from probes.model_id import model_id
-from probes.reader import FingerprintReader, nearest_edge_ns
+from loadmesh.probes import abi, buckets
+from loadmesh.probes.maps import FlowTable, MapSnapshot
+from loadmesh.probes.model_id import model_id
+from loadmesh.probes.reader import FingerprintReader, nearest_edge_ns
 
 MS = 1_000_000
 TTFB, E2E = abi.const("LM_HK_TTFB"), abi.const("LM_HK_E2E")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from daemon.model_list import (MAX_NAME, ListingError, ModelLister, _body, fetch_models,
+from loadmesh.daemon.model_list import (MAX_NAME, ListingError, ModelLister, _body, fetch_models,
                                parse_models)
-from gossip.snapshot import MAX_MODELS
+from loadmesh.gossip.snapshot import MAX_MODELS
 from metrics_helpers import free_port
-from probes.model_id import model_id
+from loadmesh.probes.model_id import model_id
 from nettopo import stop_process
 
 LLM_SERVER = str(Path(__file__).with_name("llm_server.py"))

@@ -12,8 +12,8 @@ import pytest
 
 import nettopo
 from crafted import CLIENT, SERVER, Connection, frame, test_run
-from probes import ProbeSet, abi
-from probes.model_id import model_id
+from loadmesh.probes import ProbeSet, abi
+from loadmesh.probes.model_id import model_id
 
 PORT = 8080
 CHAT = abi.endpoint_names().index("chat")

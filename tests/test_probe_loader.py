@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import nettopo
-from probes import MapSizes, ProbeSet, ProbeUnavailable, abi, loader
-from probes.model_id import model_id
+from loadmesh.probes import MapSizes, ProbeSet, ProbeUnavailable, abi, loader
+from loadmesh.probes.model_id import model_id
 
 pytestmark = pytest.mark.root
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ def foreign_filter(topo: nettopo.VethTopo) -> Iterator[str]:
 # ---- reasons to degrade ----
 
 def test_not_root_is_a_one_line_reason() -> None:
-    code = ("from probes import ProbeSet, ProbeUnavailable\n"
+    code = ("from loadmesh.probes import ProbeSet, ProbeUnavailable\n"
             "try:\n    ProbeSet(['lo'], [8000]).start()\n"
             "except ProbeUnavailable as e:\n    print('REASON', e)\n")
 
@@ -245,13 +245,13 @@ def test_falls_back_to_cls_bpf_filters_without_tcx(topo: nettopo.VethTopo,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A kernel before 6.6 refuses tcx links with EINVAL: the probes go on as cls_bpf
     filters in front of the foreign one, count, and leave the foreign clsact as it was."""
-    from probes import tcx
+    from loadmesh.probes import tcx
 
     def no_tcx(*_args: object) -> tcx.Link:
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
 
     monkeypatch.setattr(tcx, "attach", no_tcx)
-    caplog.set_level(logging.INFO, logger="probes.loader")
+    caplog.set_level(logging.INFO, logger="loadmesh.probes.loader")
     with topo.ns.popen(SERVER + ["--port", "8001"], ready="ready"):
         probes = ProbeSet([topo.host_if], [8001])
         probes.start()

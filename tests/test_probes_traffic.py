@@ -25,9 +25,9 @@ import pytest
 
 import nettopo
 from llm_clients import nearest_rank
-from probes import FingerprintReader, ProbeSet, abi, buckets
-from probes.model_id import model_id
-from probes.maps import MapSnapshot, format_ip
+from loadmesh.probes import FingerprintReader, ProbeSet, abi, buckets
+from loadmesh.probes.model_id import model_id
+from loadmesh.probes.maps import MapSnapshot, format_ip
 
 pytestmark = pytest.mark.root
 ROOT = Path(__file__).resolve().parent.parent
@@ -592,9 +592,9 @@ def test_abandoned_requests_and_tcp_events(env: Env) -> None:
 
 RETRANSMIT_SCRIPT = """
 import json, subprocess, sys
-sys.path[:0] = [{root!r}, {tests!r}]
+sys.path.insert(0, {tests!r})
 subprocess.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"], check=True)
-from probes import ProbeSet
+from loadmesh.probes import ProbeSet
 from test_probes_traffic import Client, request
 probes = ProbeSet([{ifname!r}], [{port}])
 probes.start()
@@ -635,7 +635,7 @@ def test_retransmissions_are_not_counted_twice() -> None:
         server.ns.run(["nft", "add chain inet lmdrop in { type filter hook input priority 0; }"])
         server.ns.run(["nft", f"add rule inet lmdrop in tcp dport {PORT} tcp flags & (syn | "
                        "fin | rst) == 0 numgen random mod 3 == 0 drop"])
-        script = RETRANSMIT_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"),
+        script = RETRANSMIT_SCRIPT.format(tests=str(ROOT / "tests"),
                                           ifname=client.ifname, port=PORT, server=server.v4)
         out = client.ns.run([sys.executable, "-c", script], timeout=120)
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -646,12 +646,12 @@ def test_retransmissions_are_not_counted_twice() -> None:
 
 LOOPBACK_SCRIPT = """
 import json, socket, subprocess, sys, threading, time
-sys.path[:0] = [{root!r}, {tests!r}]
+sys.path.insert(0, {tests!r})
 # ip netns exec gives a private mount namespace with a fresh /sys: no tracefs in it
 subprocess.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"], check=True)
 import probe_servers, asyncio
-from probes import ProbeSet
-from probes.model_id import model_id
+from loadmesh.probes import ProbeSet
+from loadmesh.probes.model_id import model_id
 threading.Thread(target=lambda: asyncio.run(probe_servers.serve(9000)), daemon=True).start()
 time.sleep(0.5)
 probes = ProbeSet(["lo"], [9000])
@@ -679,7 +679,7 @@ finally:
 
 def test_loopback_is_probed_in_one_direction_and_counts_once(env: Env) -> None:
     with nettopo.netns() as ns:
-        script = LOOPBACK_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"))
+        script = LOOPBACK_SCRIPT.format(tests=str(ROOT / "tests"))
         out = ns.run([sys.executable, "-c", script], timeout=120)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         assert result == {"counted": 20, "filters": 1}

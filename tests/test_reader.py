@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from probes import FingerprintReader, abi, buckets
-from probes.maps import (YIELD_EVERY, FlowKey, FlowTable, InFlight, MapSnapshot, PortStats,
+from loadmesh.probes import FingerprintReader, abi, buckets
+from loadmesh.probes.maps import (YIELD_EVERY, FlowKey, FlowTable, InFlight, MapSnapshot, PortStats,
                          RequestStats, ip_bytes)
-from probes.model_id import model_id
-from probes.reader import FAILED_S
+from loadmesh.probes.model_id import model_id
+from loadmesh.probes.reader import FAILED_S
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 QWEN = "Qwen/Qwen2.5-7B"

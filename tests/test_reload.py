@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import AgentProcess, agent_config
-from daemon.client import ApiError, Client
-from gossip import wire
-from gossip.wire import Kind
+from loadmesh.daemon.client import ApiError, Client
+from loadmesh.gossip import wire
+from loadmesh.gossip.wire import Kind
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 
 

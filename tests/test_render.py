@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daemon.render import printable, table
+from loadmesh.daemon.render import printable, table
 
 
 def test_controls_and_reordering_marks_are_escaped_everywhere_in_a_body() -> None:

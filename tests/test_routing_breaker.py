@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.routing.breaker import Breaker, BreakerState
+from loadmesh.daemon.routing.breaker import Breaker, BreakerState
 
 COOLDOWN = 10_000
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from daemon.api_server import Router as ApiRouter
-from daemon.routing import Decision, RoutingConfig
-from daemon.routing_component import DISCOVERY_MS, RoutingComponent, now_ms
-from gossip.membership import PeerState
-from gossip.protocol import PeerView
+from loadmesh.daemon.api_server import Router as ApiRouter
+from loadmesh.daemon.routing import Decision, RoutingConfig
+from loadmesh.daemon.routing_component import DISCOVERY_MS, RoutingComponent, now_ms
+from loadmesh.gossip.membership import PeerState
+from loadmesh.gossip.protocol import PeerView
 from tests.test_routing_router import MODEL, snapshot
 
 

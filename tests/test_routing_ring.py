@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from daemon.routing.ring import HashRing, hash64
+from loadmesh.daemon.routing.ring import HashRing, hash64
 
 PEERS = [f"gpu-{i:02d}" for i in range(10)]
 SESSIONS = [f"session-{i}" for i in range(20_000)]

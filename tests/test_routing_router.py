@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.routing import Decision, NoCandidate, PeerInput, Router, RoutingConfig
-from daemon.routing.p2c import OwnShare
-from daemon.routing.shed import GUESTS, ORPHANS, Seat, passes_on
-from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
-from probes.model_id import model_id
+from loadmesh.daemon.routing import Decision, NoCandidate, PeerInput, Router, RoutingConfig
+from loadmesh.daemon.routing.p2c import OwnShare
+from loadmesh.daemon.routing.shed import GUESTS, ORPHANS, Seat, passes_on
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
+from loadmesh.probes.model_id import model_id
 
 MODEL = "llama-3-8b"
 NOW = 1_000_000
@@ -624,7 +624,7 @@ def test_config_is_checked() -> None:
 
 
 def test_candidates_are_rebuilt_only_when_what_they_are_built_from_changes(monkeypatch) -> None:
-    import daemon.routing.router as router_module
+    import loadmesh.daemon.routing.router as router_module
     builds: list[int] = []
     real = router_module.build
 

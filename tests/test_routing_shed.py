@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.routing.shed import GUESTS, ORPHANS, Seat, Shedding, coin, passes_on
+from loadmesh.daemon.routing.shed import GUESTS, ORPHANS, Seat, Shedding, coin, passes_on
 
 SESSIONS = [f"session-{i}" for i in range(4000)]
 MID = 1

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from daemon.routing.simulator import POLICIES, SimConfig, goal_checks, simulate
+from loadmesh.daemon.routing.simulator import POLICIES, SimConfig, goal_checks, simulate
 
 SHORT = SimConfig(duration_s=90.0, warmup_s=15.0)
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon.score import (
+from loadmesh.daemon.score import (
     MIN_TOKENS,
     Components,
     QueueGauge,
@@ -15,7 +15,7 @@ from daemon.score import (
     instant_score,
     state_for,
 )
-from gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
+from loadmesh.gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
 
 CONFIG = ScoreConfig()
 

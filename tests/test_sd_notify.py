@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import agent_config
-from daemon.sd_notify import Notifier
+from loadmesh.daemon.sd_notify import Notifier
 from metrics_helpers import wait_for
 
 
@@ -116,8 +116,8 @@ def test_the_agent_notifies_ready_watchdog_reloading_and_stopping(
 def test_the_watchdog_is_petted_only_while_snapshots_are_built(run_dir: Path) -> None:
     # A loop that still answers while the node's snapshot has stopped moving (a stuck
     # call in the tick) is not alive: systemd must restart it after WatchdogSec.
-    from daemon.agent import Agent
-    from daemon.config import Config
+    from loadmesh.daemon.agent import Agent
+    from loadmesh.daemon.config import Config
 
     agent = Agent(Config(node_id="n0", state_dir=str(run_dir)))
     pings: list[str] = []

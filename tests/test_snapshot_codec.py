@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossip.snapshot import (
+from loadmesh.gossip.snapshot import (
     MAX_ENCODED_BYTES,
     MAX_GPUS,
     MAX_MODELS,
@@ -318,8 +318,9 @@ def test_junk_in_any_field_decodes_cleanly(data: st.DataObject) -> None:
 
 def test_gossip_does_not_import_daemon_or_probes() -> None:
     code = (
-        "import sys, gossip.snapshot; "
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('daemon', 'probes')]; "
+        "import sys, loadmesh.gossip.snapshot; "
+        "bad = [m for m in sys.modules if m.split('.')[:2] in (['loadmesh', 'daemon'], "
+        "['loadmesh', 'probes'])]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

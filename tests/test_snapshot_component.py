@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from daemon import snapshot_component
-from daemon.api_server import Router
-from daemon.config import Config, LoadConfig
-from daemon.health import State
-from daemon.snapshot_component import SnapshotComponent
-from daemon.versioning import VersionStore
+from loadmesh.daemon import snapshot_component
+from loadmesh.daemon.api_server import Router
+from loadmesh.daemon.config import Config, LoadConfig
+from loadmesh.daemon.health import State
+from loadmesh.daemon.snapshot_component import SnapshotComponent
+from loadmesh.daemon.versioning import VersionStore
 
 
 class Probes:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.state_files import BadStateFile, flag_set, read_state_file, set_flag
+from loadmesh.daemon.state_files import BadStateFile, flag_set, read_state_file, set_flag
 
 
 def test_a_flag_is_a_regular_file_the_agent_creates(tmp_path: Path) -> None:

@@ -71,7 +71,7 @@ def nobody_can_run_the_checkout() -> None:
     """The sandboxed agent runs as nobody: a checkout under a private directory (root's
     home, say) is out of its reach, which says nothing about the unit."""
     probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                            sys.executable, "-c", "import daemon.agent"],
+                            sys.executable, "-c", "import loadmesh.daemon.agent"],
                            capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
         pytest.skip(f"user nobody cannot run this checkout: {probe.stderr.strip()[-200:]}")

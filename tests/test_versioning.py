@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon.state_files import BadStateFile
-from daemon.versioning import ChangeDetector, Deadband, Deadbands, VersionClock, VersionStore
-from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
+from loadmesh.daemon.state_files import BadStateFile
+from loadmesh.daemon.versioning import ChangeDetector, Deadband, Deadbands, VersionClock, VersionStore
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
 
 NOW = 1_764_500_000_000
 

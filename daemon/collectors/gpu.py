@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from gossip.snapshot import MAX_MIB, GpuLoad
+from loadmesh.gossip.snapshot import MAX_MIB, GpuLoad
 
 _MIB = 1024 * 1024
 

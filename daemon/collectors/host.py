@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from gossip.snapshot import MAX_LOAD_AVERAGE, MAX_MIB, HostLoad
+from loadmesh.gossip.snapshot import MAX_LOAD_AVERAGE, MAX_MIB, HostLoad
 
 _MIB = 1024 * 1024
 

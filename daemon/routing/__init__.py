@@ -5,8 +5,8 @@ answers Decision and NoCandidate; simulator.py measures the decision against oth
 policies on a simulated fleet.
 """
 
-from daemon.routing.candidates import PeerInput, RoutingConfig
-from daemon.routing.router import OUTCOMES, Alternative, Decision, NoCandidate, Outcome, Router
+from loadmesh.daemon.routing.candidates import PeerInput, RoutingConfig
+from loadmesh.daemon.routing.router import OUTCOMES, Alternative, Decision, NoCandidate, Outcome, Router
 
 __all__ = ["OUTCOMES", "Alternative", "Decision", "NoCandidate", "Outcome", "PeerInput", "Router",
            "RoutingConfig"]

@@ -41,7 +41,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from daemon.routing.candidates import (
+from loadmesh.daemon.routing.candidates import (
     Candidate,
     ModelCandidates,
     PeerInput,
@@ -51,11 +51,11 @@ from daemon.routing.candidates import (
     pace_expiry,
     static_model_ids,
 )
-from daemon.routing.p2c import OwnShare, draw_exact, order
-from daemon.routing.ring import HashRing, hash64
-from daemon.routing.shed import Seat, Shedding, passes_on
-from gossip.snapshot import State
-from probes.model_id import model_id
+from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
+from loadmesh.daemon.routing.ring import HashRing, hash64
+from loadmesh.daemon.routing.shed import Seat, Shedding, passes_on
+from loadmesh.gossip.snapshot import State
+from loadmesh.probes.model_id import model_id
 
 Outcome = Literal["ok", "error", "timeout"]
 OUTCOMES: frozenset[str] = frozenset({"ok", "error", "timeout"})

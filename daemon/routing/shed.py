@@ -107,7 +107,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from daemon.routing.ring import hash64
+from loadmesh.daemon.routing.ring import hash64
 
 GUESTS = 0.1
 ORPHANS = 0.05

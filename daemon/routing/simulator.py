@@ -51,13 +51,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
-from daemon.routing.candidates import PeerInput, RoutingConfig
-from daemon.routing.router import Decision, Router
-from daemon.score import ScoreConfig
-from daemon.snapshot_builder import SnapshotBuilder
-from daemon.versioning import ChangeDetector, VersionClock
-from gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot
-from probes.model_id import model_id
+from loadmesh.daemon.routing.candidates import PeerInput, RoutingConfig
+from loadmesh.daemon.routing.router import Decision, Router
+from loadmesh.daemon.score import ScoreConfig
+from loadmesh.daemon.snapshot_builder import SnapshotBuilder
+from loadmesh.daemon.versioning import ChangeDetector, VersionClock
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot
+from loadmesh.probes.model_id import model_id
 
 MODEL = "llama-3.1-70b-instruct"
 POLICIES = ("loadmesh", "round_robin", "random", "least_loaded", "p2c", "jsq_oracle")
