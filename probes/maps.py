@@ -225,9 +225,8 @@ class MapReader:
         self._lib = lib
         fp = bpf[b"fingerprints"]
         self._fp_key = abi.codec(fp.Key)
-        self._fp_val = abi.codec(fp.Leaf)
-        if self._fp_val.struct.format != "<" + "Q" * len(self._fp_val.fields):
-            raise TypeError("lm_fp_val: flows() reads it as an array of u64")
+        self._fp_cols = [_Column.of(fp.Leaf, name)
+                         for name in ("count", "lat_sum_ns", "lat_max_ns", "last_ns")]
         self._fp = _Batch(lib, fp.map_fd, ctypes.sizeof(fp.Key), ctypes.sizeof(fp.Leaf), fp.max_entries)
         # Decoded keys of the flows seen lately (most flows live for many polls), emptied
         # when it outgrows the map. A plain dict of tuples of bytes and ints: the collector
@@ -285,19 +284,15 @@ class MapReader:
         holds the GIL for milliseconds."""
         keys, values, n = self._fp.read()
         ks = self._fp.key_size
-        width = len(self._fp_val.fields)
-        words = values.cast("B").cast("Q")
-        index = [self._fp_val.index(name) for name in ("count", "lat_sum_ns", "lat_max_ns", "last_ns")]
         split: list[bytes] = []
-        columns: list[list[int]] = [[] for _ in index]
+        columns: list[list[int]] = [[] for _ in self._fp_cols]
         for start in range(0, n, YIELD_EVERY):
             end = min(n, start + YIELD_EVERY)
-            last = words[start * width + index[3]:end * width:width].tolist()
-            keep = list(map(since_ns.__le__, last))
+            keep = list(map(since_ns.__le__, self._fp_cols[-1].read(values, start, end)))
             raw = keys[start * ks:end * ks].tobytes()
             split += compress((raw[i:i + ks] for i in range(0, len(raw), ks)), keep)
-            for column, first in zip(columns, index):
-                column += compress(words[start * width + first:end * width:width].tolist(), keep)
+            for column, col in zip(columns, self._fp_cols):
+                column += compress(col.read(values, start, end), keep)
             pause_point(YIELD_EVERY - 1)
         return FlowTable(split, columns, self._decode_flow)
 
