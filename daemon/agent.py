@@ -29,7 +29,7 @@ from loadmesh.daemon.metrics import AgentCollector
 from loadmesh.daemon.metrics_server import MetricsServer
 from loadmesh.daemon.probes_component import ProbesComponent
 from loadmesh.daemon.reload import Reloader
-from loadmesh.daemon.routing_component import RoutingComponent, routing_config
+from loadmesh.daemon.routing_component import RoutingComponent
 from loadmesh.daemon.sd_notify import Notifier
 from loadmesh.daemon.snapshot_component import SnapshotComponent
 
@@ -54,10 +54,8 @@ class Agent:
         self.snapshot = SnapshotComponent(config, self.probes, self.gpu, self.router)
         self.gossip = GossipComponent(config.node_id, config.gossip, config.advertise or None,
                                       self.snapshot, self.router)
-        self.routing = RoutingComponent(
-            config.node_id,
-            routing_config(config.routing, config.load.degraded_at, config.load.overloaded_at),
-            self.gossip, self.snapshot, self.router)
+        self.routing = RoutingComponent(config.node_id, config.routing, self.gossip,
+                                        self.snapshot, self.router)
         self.reloader = Reloader(config_path, self.probes, self.snapshot, self.gossip, self.routing)
         registry = CollectorRegistry()
         registry.register(AgentCollector(self, config.metrics.model_labels))

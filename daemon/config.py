@@ -5,6 +5,10 @@ this host). A file only overrides what it names. Anything the schema does not kn
 of the wrong type or a value out of range stops the agent with an error that names the file
 and the dotted key, because an agent fleet-deployed with a typo must fail loudly on the
 first host rather than run with a silently ignored setting.
+
+The schema is derived from the dataclasses of the code that uses the settings
+(src/loadmesh/settings.py): each section is such a class, or extends one, so the
+components take their section as it is. Rules across keys are in config_rules.py.
 """
 
 from __future__ import annotations
@@ -15,17 +19,16 @@ import os
 import socket
 import tomllib
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadmesh.daemon.score import ScoreWeights
+from loadmesh.daemon import config_rules
+from loadmesh.daemon.score import ScoreConfig
 from loadmesh.gossip.config import GossipParams
-
-_GOSSIP = GossipParams()
-
-Check = Callable[[Any], str | None]
+from loadmesh.settings import (SettingError, between, check_settings, in_range, section, setting,
+                               settings_of)
 
 
 # sysexits' EX_CONFIG: the unit file keeps systemd from restarting into the same bad file.
@@ -115,18 +118,6 @@ def _interfaces(values: tuple[str, ...]) -> str | None:
     return None
 
 
-def _at_least(low: int) -> Check:
-    return lambda v: None if v >= low else f"must be at least {low}, got {v}"
-
-
-def _between(low: int, high: int) -> Check:
-    return lambda v: None if low <= v <= high else f"must be {low}..{high}, got {v}"
-
-
-def _range(low: float, high: float) -> Check:
-    return lambda v: None if low <= v <= high else f"must be {low:g}..{high:g}, got {v:g}"
-
-
 def _advertise(value: str) -> str | None:
     if value and (len(value) > 253 or any(c.isspace() or c in "/[]" for c in value)):
         return f"not a host name or address: {value!r}"
@@ -156,60 +147,40 @@ def _log_level(value: str) -> str | None:
     return None if value in levels else f"must be one of {', '.join(levels)}"
 
 
-def _key(default: Any, check: Check | None = None, doc: str = "") -> Any:
-    meta = {"check": check, "doc": doc}
-    if isinstance(default, (tuple, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 @dataclass(frozen=True)
 class ProbesConfig:
-    interfaces: tuple[str, ...] = _key(("lo",), _interfaces, "interfaces the TC probes attach to")
-    ports: tuple[int, ...] = _key((8000,), _ports, "TCP ports the inference servers listen on")
-    required: bool = _key(False, doc="exit instead of running without probes")
-    window_s: float = _key(10.0, _range(1, 300), "sliding window of the latency percentiles, s")
-    scan_limit: int = _key(65536, _between(64, 1 << 20),
-                           'request body bytes searched for "model" at each end (docs/probes.md)')
-    max_connections: int = _key(16384, _between(1, 1 << 22), "in-flight map: live connections")
-    max_fingerprints: int = _key(16384, _between(1, 1 << 22),
-                                 "fingerprints map: flow x model x status rows")
-    max_histogram_buckets: int = _key(16384, _between(1, 1 << 22),
-                                      "latency buckets in use, all models, ports and kinds")
-    max_models: int = _key(1024, _between(1, 1 << 22), "distinct model names kept")
+    interfaces: tuple[str, ...] = setting(("lo",), _interfaces,
+                                          "interfaces the TC probes attach to")
+    ports: tuple[int, ...] = setting((8000,), _ports, "TCP ports the inference servers listen on")
+    required: bool = setting(False, doc="exit instead of running without probes")
+    window_s: float = setting(10.0, in_range(1, 300),
+                              "sliding window of the latency percentiles, s")
+    scan_limit: int = setting(65536, between(64, 1 << 20), 'request body bytes searched for '
+                              '"model" at each end (docs/probes.md)')
+    max_connections: int = setting(16384, between(1, 1 << 22), "in-flight map: live connections")
+    max_fingerprints: int = setting(16384, between(1, 1 << 22),
+                                    "fingerprints map: flow x model x status rows")
+    max_histogram_buckets: int = setting(16384, between(1, 1 << 22),
+                                         "latency buckets in use, all models, ports and kinds")
+    max_models: int = setting(1024, between(1, 1 << 22), "distinct model names kept")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass(frozen=True)
-class GossipConfig:
-    bind: str = _key("0.0.0.0:7946", _ip_port_or_any, "UDP address the gossip listens on "
-                     "(port 0: any free port)")
-    seeds: tuple[str, ...] = _key((), _seeds, "host:port of peers to join through")
-    interval_ms: int = _key(500, _between(10, 60_000), "gossip round period")
-    fanout: int = _key(3, _between(1, 64), "peers contacted each round")
-    key_file: str = _key("", _optional_path, "HMAC keys, one per line, the first signs "
-                         "(empty: an open mesh, see insecure)")
-    insecure: bool = _key(False, doc="allow an open mesh (no key_file) on an address other "
-                          "hosts reach: anyone there can then publish snapshots and node ids")
-    discovery: bool = _key(False, doc="find peers on the LAN by mDNS (_loadmesh._udp.local.)")
-    # The defaults are the gossip package's, chosen by measurement (docs/gossip.md).
-    max_datagram: int = _key(_GOSSIP.max_datagram, _between(512, 65_507),
-                             "largest datagram sent or accepted, the same on every node")
-    suspect_after_ms: int = _key(_GOSSIP.suspect_after_ms, _between(100, 3_600_000),
-                                 "a peer whose version stood still this long is suspect")
-    dead_after_ms: int = _key(_GOSSIP.dead_after_ms, _between(200, 3_600_000),
-                              "... and dead (not routed to)")
-    reap_after_ms: int = _key(_GOSSIP.reap_after_ms, _between(1000, 86_400_000), "... and forgotten")
-    max_peers: int = _key(_GOSSIP.max_peers, _between(1, 1_000_000), "bound of the peer table")
-    max_table_bytes: int = _key(_GOSSIP.max_table_bytes, _between(64 << 10, 1 << 30),
-                                "bound of the peers' snapshot encodings held")
+class GossipConfig(GossipParams):
+    """The protocol's settings (gossip/config.py holds them, with their defaults chosen by
+    measurement in docs/gossip.md) and the agent's socket, peers and keys."""
 
-    def __post_init__(self) -> None:
-        if not self.suspect_after_ms < self.dead_after_ms < self.reap_after_ms:
-            raise ValueError("need suspect_after_ms < dead_after_ms < reap_after_ms")
-        # A peer beats every beat_interval_ms: suspecting it sooner would suspect everyone.
-        if self.suspect_after_ms <= _GOSSIP.beat_interval_ms:
-            raise ValueError(f"suspect_after_ms must be above the beat interval "
-                             f"({_GOSSIP.beat_interval_ms} ms)")
+    bind: str = setting("0.0.0.0:7946", _ip_port_or_any, "UDP address the gossip listens on "
+                        "(port 0: any free port)")
+    seeds: tuple[str, ...] = setting((), _seeds, "host:port of peers to join through")
+    key_file: str = setting("", _optional_path, "HMAC keys, one per line, the first signs "
+                            "(empty: an open mesh, see insecure)")
+    insecure: bool = setting(False, doc="allow an open mesh (no key_file) on an address other "
+                             "hosts reach: anyone there can then publish snapshots and node ids")
+    discovery: bool = setting(False, doc="find peers on the LAN by mDNS (_loadmesh._udp.local.)")
 
 
 def open_mesh_refusal(gossip: GossipConfig) -> str:
@@ -228,66 +199,100 @@ def open_mesh_refusal(gossip: GossipConfig) -> str:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    choices: int = _key(3, _between(1, 16), "d of the power of d choices")
-    alternatives: int = _key(2, _between(0, 16), "retry targets returned with each answer")
-    epsilon: float = _key(0.15, _range(0.01, 10), "load per slot above the fleet's, as a fraction, "
-                          "at which a host starts passing its sessions on")
-    vnodes: int = _key(160, _between(100, 10_000), "ring points per peer")
-    slow_start_s: float = _key(30.0, _range(0, 3600), "ramp of a joined or recovered peer")
-    breaker_failures: int = _key(3, _between(1, 1000), "consecutive failures that open a circuit")
-    breaker_cooldown_s: float = _key(10.0, _range(0, 3600), "open time before a trial request")
-    error_ratio_threshold: float = _key(0.05, _range(0, 1),
-                                        "a peer reporting more errors than this is degraded")
-    freshness_s: float = _key(15.0, _range(0.1, 3600), "older snapshots count as stale")
-    static_models: dict[str, tuple[str, ...]] = _key(
+    """The router's settings (daemon/routing/), and its internal tuning."""
+
+    choices: int = setting(3, between(1, 16), "d of the power of d choices")
+    alternatives: int = setting(2, between(0, 16), "retry targets returned with each answer")
+    # Sessions' slack: this node passes sessions on while its load per slot is above
+    # (1 + epsilon) x its model's fleet's (routing/shed.py).
+    epsilon: float = setting(0.15, in_range(0.01, 10), "load per slot above the fleet's, as a "
+                             "fraction, at which a host starts passing its sessions on")
+    # At least 100 for an even spread.
+    vnodes: int = setting(160, between(100, 10_000), "ring points per peer")
+    slow_start_s: float = setting(30.0, in_range(0, 3600), "ramp of a joined or recovered peer")
+    slow_start_floor: float = 0.1      # the ramp's starting fraction
+    breaker_failures: int = setting(3, between(1, 1000), "consecutive failures (errors or "
+                                    "timeouts) that open a circuit")
+    breaker_cooldown_s: float = setting(10.0, in_range(0, 3600),
+                                        "open time before a trial request")
+    error_ratio_threshold: float = setting(0.05, in_range(0, 1),
+                                           "a peer reporting more errors than this is degraded")
+    degraded_weight: float = 0.75      # capacity factor of a degraded peer
+    overloaded_weight: float = 0.5     # capacity factor of an overloaded peer
+    # A snapshot older than this no longer says anything about the peer's load: such
+    # peers are used only when no peer with a fresh one is left (config_rules.py: how it
+    # must compare with load.heartbeat_ms).
+    freshness_s: float = setting(15.0, in_range(0.1, 3600), "older snapshots count as stale")
+    # Scaling of this node's own traffic since a snapshot to the fleet's (p2c.OwnShare).
+    own_share_half_life_s: float = 10.0
+    own_share_cap: float = 32.0
+    static_models: dict[str, tuple[str, ...]] = setting(
         {}, None, "node_id -> models it serves before traffic shows them")
+    seed: int | None = None            # for reproducible draws (tests, simulator)
+    # The thresholds a peer's score is judged by: the agent's own [load] ones (Config joins
+    # them), so that this node calls a peer degraded where it would call itself so.
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not self.own_share_half_life_s > 0 or not self.own_share_cap >= 1:
+            raise ValueError("own_share_half_life_s must be positive, own_share_cap >= 1")
+        if not all(0 < w <= 1 for w in (self.slow_start_floor, self.degraded_weight,
+                                        self.overloaded_weight)):
+            raise ValueError("slow_start_floor, degraded_weight and overloaded_weight must be "
+                             "in (0, 1]")
 
 
 @dataclass(frozen=True)
 class ApiConfig:
-    socket: str = _key("/run/loadmesh/loadmesh.sock", _absolute_path, "local API Unix socket")
+    socket: str = setting("/run/loadmesh/loadmesh.sock", _absolute_path, "local API Unix socket")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    listen: str = _key("127.0.0.1:9464", _ip_port_or_off, "address of the Prometheus exporter's "
-                       "HTTP /metrics (empty: no exporter)")
-    model_labels: int = _key(64, _between(1, 4096), "models with series of their own "
-                             "(clients name them); later ones count under model=\"(other)\"")
+    listen: str = setting("127.0.0.1:9464", _ip_port_or_off, "address of the Prometheus "
+                          "exporter's HTTP /metrics (empty: no exporter)")
+    model_labels: int = setting(64, between(1, 4096), "models with series of their own "
+                                "(clients name them); later ones count under model=\"(other)\"")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass(frozen=True)
-class LoadConfig:
-    tick_ms: int = _key(250, _between(100, 60_000), "how often the snapshot is rebuilt")
-    heartbeat_ms: int = _key(5000, _between(500, 600_000),
-                             "the version moves at least this often, changed or not")
-    half_life_s: float = _key(3.0, _range(0.1, 600), "score smoothing: a sample's weight halves in this time")
-    degraded_at: float = _key(0.7, _range(0.01, 1), "score from which the node is degraded")
-    overloaded_at: float = _key(0.9, _range(0.01, 1), "score from which the node is overloaded")
-    list_models_s: float = _key(30.0, _range(0, 86_400),
-                                "how often each serving port's GET /v1/models is asked, so that "
-                                "peers route a model here before its first request (0: never)")
-    weights: ScoreWeights = field(default_factory=ScoreWeights)
+class LoadConfig(ScoreConfig):
+    """The score's settings (daemon/score.py holds them) and the snapshot's timing."""
 
-    def __post_init__(self) -> None:
-        if self.degraded_at >= self.overloaded_at:
-            raise ValueError(f"degraded_at ({self.degraded_at:g}) must be below "
-                             f"overloaded_at ({self.overloaded_at:g})")
+    tick_ms: int = setting(250, between(100, 60_000), "how often the snapshot is rebuilt")
+    heartbeat_ms: int = setting(5000, between(500, 600_000),
+                                "the version moves at least this often, changed or not")
+    list_models_s: float = setting(30.0, in_range(0, 86_400),
+                                   "how often each serving port's GET /v1/models is asked, so "
+                                   "that peers route a model here before its first request "
+                                   "(0: never)")
 
 
 @dataclass(frozen=True)
 class Config:
-    node_id: str = _key("", _node_id, "this node's name in the mesh (default: host name)")
-    log_level: str = _key("info", _log_level, "debug, info, warning or error")
-    advertise: str = _key("", _advertise, "host peers send inference requests to "
-                          "(default: this host's first non-loopback address)")
-    state_dir: str = _key("/var/lib/loadmesh", _absolute_path, "where state survives restarts")
-    probes: ProbesConfig = field(default_factory=ProbesConfig)
-    gossip: GossipConfig = field(default_factory=GossipConfig)
-    api: ApiConfig = field(default_factory=ApiConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    load: LoadConfig = field(default_factory=LoadConfig)
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    node_id: str = setting("", _node_id, "this node's name in the mesh (default: host name)")
+    log_level: str = setting("info", _log_level, "debug, info, warning or error")
+    advertise: str = setting("", _advertise, "host peers send inference requests to "
+                             "(default: this host's first non-loopback address)")
+    state_dir: str = setting("/var/lib/loadmesh", _absolute_path, "where state survives restarts")
+    probes: ProbesConfig = section(ProbesConfig, "the eBPF probes (docs/probes.md)")
+    gossip: GossipConfig = section(GossipConfig, "the mesh (docs/gossip.md)")
+    api: ApiConfig = section(ApiConfig, "the local API")
+    metrics: MetricsConfig = section(MetricsConfig, "the Prometheus exporter")
+    load: LoadConfig = section(LoadConfig, "this node's snapshot and score (docs/snapshot.md)")
+    routing: RoutingConfig = section(RoutingConfig, "the choice of a peer (docs/routing.md)")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        # Frozen, but made here: every Config, parsed or replaced on a reload, joins them.
+        object.__setattr__(self, "routing", dataclasses.replace(self.routing, score=self.load))
 
 
 def _describe(value: Any) -> str:
@@ -322,13 +327,13 @@ def _coerce(value: Any, kind: Any, source: str, key: str) -> Any:
 
 def _build(cls: type, table: Mapping[str, Any], source: str, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(table) - set(fields))
+    keys = [f.name for f in settings_of(cls)]
+    unknown = sorted(set(table) - set(keys))
     if unknown:
-        known = ", ".join(sorted(fields))
+        known = ", ".join(sorted(keys))
         raise ConfigError(source, prefix + unknown[0], f"unknown key (known here: {known})")
     values: dict[str, Any] = {}
-    for name, spec in fields.items():
+    for name in keys:
         key = prefix + name
         kind = hints[name]
         if dataclasses.is_dataclass(kind):
@@ -336,18 +341,13 @@ def _build(cls: type, table: Mapping[str, Any], source: str, prefix: str) -> Any
             if not isinstance(sub, dict):
                 raise ConfigError(source, key, f"expected a table, got {_describe(sub)}")
             values[name] = _build(kind, sub, source, key + ".")
-            continue
-        if name not in table:
-            continue
-        value = _coerce(table[name], kind, source, key)
-        check = spec.metadata.get("check")
-        problem = check(value) if check else None
-        if problem:
-            raise ConfigError(source, key, problem)
-        values[name] = value
+        elif name in table:
+            values[name] = _coerce(table[name], kind, source, key)
     try:
         return cls(**values)
-    except ValueError as exc:  # a section that checks its keys together (score weights)
+    except SettingError as exc:
+        raise ConfigError(source, prefix + exc.name, exc.problem) from None
+    except ValueError as exc:  # keys of one section checked together: the message names them
         raise ConfigError(source, prefix.rstrip("."), str(exc)) from None
 
 
@@ -358,6 +358,9 @@ def parse(text: str, source: str = "<config>") -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, "", f"not valid TOML: {exc}") from None
     config: Config = _build(Config, table, source, "")
+    broken = config_rules.broken(config)
+    if broken:
+        raise ConfigError(source, *broken)
     if not config.node_id:
         config = dataclasses.replace(config, node_id=socket.gethostname())
     return config
@@ -378,19 +381,18 @@ def defaults_toml() -> str:
     """The embedded defaults as a commented TOML document (for `loadmesh config defaults`)."""
     lines = ["# loadmesh configuration: every key shown with its default.", ""]
 
-    def emit(cls: type, instance: Any, section: str) -> None:
+    def emit(cls: type, instance: Any, prefix: str) -> None:
         nested = []
-        for f in dataclasses.fields(cls):
+        for f in settings_of(cls):
             value = getattr(instance, f.name)
             if dataclasses.is_dataclass(value):
-                nested.append((f.name, value))
+                nested.append((f, value))
                 continue
-            if f.metadata.get("doc"):
-                lines.append(f"# {f.metadata['doc']}")
+            lines.append(f"# {f.metadata['doc']}")
             lines.append(f"{f.name} = {_toml_value(value)}")
-        for name, value in nested:
-            lines.extend(["", f"[{section}{name}]"])
-            emit(type(value), value, f"{section}{name}.")
+        for f, value in nested:
+            lines.extend(["", f"# {f.metadata['doc']}", f"[{prefix}{f.name}]"])
+            emit(type(value), value, f"{prefix}{f.name}.")
 
     emit(Config, Config(), "")
     return "\n".join(lines) + "\n"

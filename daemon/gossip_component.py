@@ -16,25 +16,11 @@ from loadmesh.daemon.config import GossipConfig, split_host_port
 from loadmesh.daemon.health import OK, Health, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.snapshot_component import SnapshotComponent
-from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.keyring import Keyring, load_keyring
 from loadmesh.gossip.protocol import PeerView, format_addr
 from loadmesh.gossip.transport import GossipService
 
 log = logs.get("gossip")
-
-
-def gossip_params(config: GossipConfig) -> GossipParams:
-    return GossipParams(
-        interval_ms=config.interval_ms,
-        fanout=config.fanout,
-        max_datagram=config.max_datagram,
-        suspect_after_ms=config.suspect_after_ms,
-        dead_after_ms=config.dead_after_ms,
-        reap_after_ms=config.reap_after_ms,
-        max_peers=config.max_peers,
-        max_table_bytes=config.max_table_bytes,
-    )
 
 
 class GossipComponent:
@@ -62,12 +48,9 @@ class GossipComponent:
 
     async def start(self) -> None:
         host, port = split_host_port(self.config.bind, allow_any_port=True)
-        try:
-            params = gossip_params(self.config)
-        except ValueError as exc:
-            raise StartupError(f"gossip: {exc}") from None
+        # The section is the protocol's parameters (GossipConfig extends GossipParams).
         service = GossipService(
-            self.node_id, (host, port), self.config.seeds, params, self._keyring(),
+            self.node_id, (host, port), self.config.seeds, self.config, self._keyring(),
             discovery=self.config.discovery,
             advertise=(self._advertise_host, port) if self._advertise_host and port else None)
         try:

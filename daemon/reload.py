@@ -23,13 +23,15 @@ import time
 from typing import Any
 
 from loadmesh.daemon import config as config_mod
+from loadmesh.daemon import config_rules
 from loadmesh.daemon import logs
 from loadmesh.daemon.config import Config, ConfigError
 from loadmesh.daemon.gossip_component import GossipComponent
 from loadmesh.daemon.probes_component import ProbesComponent
-from loadmesh.daemon.routing_component import RoutingComponent, routing_config
+from loadmesh.daemon.routing_component import RoutingComponent
 from loadmesh.daemon.snapshot_component import SnapshotComponent
 from loadmesh.gossip.keyring import Keyring, load_keyring
+from loadmesh.settings import settings_of
 
 log = logs.get("reload")
 
@@ -41,7 +43,7 @@ RELOADABLE = ("log_level", "probes.ports", "gossip.seeds", "gossip.key_file", "r
 def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two configurations (or sections)."""
     out = []
-    for f in dataclasses.fields(old):
+    for f in settings_of(type(old)):
         a, b = getattr(old, f.name), getattr(new, f.name)
         if dataclasses.is_dataclass(a):
             out += changed_keys(a, b, f"{prefix}{f.name}.")
@@ -104,6 +106,11 @@ class Reloader:
             changed = changed_keys(running, new)
             apply = [k for k in changed if reloadable(k)]
             effective = merge(running, new, apply)
+            broken = config_rules.broken(effective)
+            if broken:
+                key, problem = broken
+                raise ConfigError(self.path, key, f"{problem} (as it would run: the keys that "
+                                                  f"need a restart keep their running values)")
             if "probes.ports" in apply:
                 # First: the one step that can still refuse (more ports than the probes
                 # watch), before anything else has changed.
@@ -145,5 +152,4 @@ class Reloader:
         if "gossip.seeds" in keys:
             await self.gossip.set_seeds(new.gossip.seeds)
         if any(k.startswith(("routing.", "load.degraded_at", "load.overloaded_at")) for k in keys):
-            self.routing.reconfigure(routing_config(new.routing, new.load.degraded_at,
-                                                    new.load.overloaded_at))
+            self.routing.reconfigure(new.routing)

@@ -16,7 +16,6 @@ from typing import Any
 
 from loadmesh.daemon import logs
 from loadmesh.daemon.api_server import Router as ApiRouter
-from loadmesh.daemon.config import RoutingConfig as RoutingSettings
 from loadmesh.daemon.gossip_component import GossipComponent
 from loadmesh.daemon.health import OK, Health
 from loadmesh.daemon.http import HttpError, Request, Response
@@ -33,23 +32,6 @@ UPDATE_PERIOD_S = 0.1
 # takes a round trip; seeds that answer late, a few retries).
 DISCOVERY_MS = 10_000
 MAX_EXCLUDE = 64
-
-
-def routing_config(settings: RoutingSettings, degraded_at: float, overloaded_at: float) -> RoutingConfig:
-    return RoutingConfig(
-        choices=settings.choices,
-        alternatives=settings.alternatives,
-        epsilon=settings.epsilon,
-        vnodes=settings.vnodes,
-        slow_start_s=settings.slow_start_s,
-        breaker_failures=settings.breaker_failures,
-        breaker_cooldown_s=settings.breaker_cooldown_s,
-        error_ratio_threshold=settings.error_ratio_threshold,
-        freshness_s=settings.freshness_s,
-        degraded_at=degraded_at,
-        overloaded_at=overloaded_at,
-        static_models={node: frozenset(models) for node, models in settings.static_models.items()},
-    )
 
 
 def now_ms() -> int:

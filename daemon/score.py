@@ -37,16 +37,19 @@ from dataclasses import dataclass, fields
 from typing import Protocol
 
 from loadmesh.gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
+from loadmesh.settings import check_settings, in_range, section, setting
 
 
 @dataclass(frozen=True)
 class ScoreWeights:
-    gpu_util: float = 0.35
-    gpu_memory: float = 0.10
-    queue: float = 0.25
-    errors: float = 0.10
-    in_flight: float = 0.15
-    cpu: float = 0.05
+    # Checked together in __post_init__ (the operator hears of the whole table).
+    # docs/snapshot.md explains each component and its default weight.
+    gpu_util: float = setting(0.35, doc="weight of the mean GPU utilisation")
+    gpu_memory: float = setting(0.10, doc="weight of the fullest GPU's memory in use")
+    queue: float = setting(0.25, doc="weight of the busiest model's queue")
+    errors: float = setting(0.10, doc="weight of the error ratio")
+    in_flight: float = setting(0.15, doc="weight of the requests in flight per GPU")
+    cpu: float = setting(0.05, doc="weight of the CPU utilisation or pressure")
 
     def __post_init__(self) -> None:
         values = [getattr(self, f.name) for f in fields(self)]
@@ -56,25 +59,31 @@ class ScoreWeights:
 
 @dataclass(frozen=True)
 class ScoreConfig:
-    weights: ScoreWeights = ScoreWeights()
+    """The score's settings, the agent's `[load]` keys (daemon/config.py's LoadConfig adds
+    the snapshot's timing), and its internal tuning."""
+
+    weights: ScoreWeights = section(ScoreWeights, "the components' weights in the blend "
+                                    "(relative: only their ratios matter)")
     error_ratio_ceiling: float = 0.05
     memory_knee: float = 0.95
     in_flight_per_gpu: int = 64
-    half_life_s: float = 3.0
-    degraded_at: float = 0.7
-    overloaded_at: float = 0.9
+    half_life_s: float = setting(3.0, in_range(0.1, 600),
+                                 "score smoothing: a sample's weight halves in this time")
+    degraded_at: float = setting(0.7, in_range(0.01, 1), "score from which the node is degraded")
+    overloaded_at: float = setting(0.9, in_range(0.01, 1),
+                                   "score from which the node is overloaded")
 
     def __post_init__(self) -> None:
+        check_settings(self)
+        if self.degraded_at >= self.overloaded_at:
+            raise ValueError(f"degraded_at ({self.degraded_at:g}) must be below "
+                             f"overloaded_at ({self.overloaded_at:g})")
         if not 0 < self.error_ratio_ceiling <= 1:
             raise ValueError("error_ratio_ceiling must be in (0, 1]")
         if not 0 <= self.memory_knee < 1:
             raise ValueError("memory_knee must be in [0, 1)")
         if self.in_flight_per_gpu < 1:
             raise ValueError("in_flight_per_gpu must be at least 1")
-        if not self.half_life_s > 0:
-            raise ValueError("half_life_s must be positive")
-        if not 0 < self.degraded_at < self.overloaded_at <= 1:
-            raise ValueError("need 0 < degraded_at < overloaded_at <= 1")
 
 
 @dataclass(frozen=True)

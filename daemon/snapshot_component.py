@@ -25,7 +25,6 @@ from loadmesh.daemon.health import OK, Health, StartupError, State
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.model_list import ModelLister
 from loadmesh.daemon.probes_component import POLL_S, ProbesComponent
-from loadmesh.daemon.score import ScoreConfig
 from loadmesh.daemon.snapshot_builder import ModelFigures, SnapshotBuilder
 from loadmesh.daemon.snapshot_view import snapshot_json
 from loadmesh.daemon.state_files import BadStateFile, flag_set, set_flag
@@ -66,16 +65,6 @@ def advertise_host(config: Config) -> str:
             if not (ip.is_loopback or ip.is_link_local or ip.is_multicast):
                 return str(ip)
     return "127.0.0.1"
-
-
-def score_config(config: Config) -> ScoreConfig:
-    load = config.load
-    return ScoreConfig(
-        weights=load.weights,
-        half_life_s=load.half_life_s,
-        degraded_at=load.degraded_at,
-        overloaded_at=load.overloaded_at,
-    )
 
 
 class SnapshotComponent:
@@ -159,7 +148,7 @@ class SnapshotComponent:
         self._builder = SnapshotBuilder(
             self.config.node_id, self._endpoints(), versions,
             ChangeDetector(heartbeat_ms=self.config.load.heartbeat_ms),
-            score_config(self.config))
+            self.config.load)
         self._lister = ModelLister(self._host_name, self.config.probes.ports,
                                    self.config.load.list_models_s)
         if self._lister.interval_s > 0:
@@ -215,7 +204,7 @@ class SnapshotComponent:
         self.config = config
         if self._builder is not None:
             self._builder.endpoints = self._endpoints()
-            self._builder.score_config = score_config(config)
+            self._builder.score_config = config.load
         if self._lister is not None:
             self._lister.ports = tuple(config.probes.ports)
             self._lister.interval_s = config.load.list_models_s

@@ -2,6 +2,8 @@
 
 The defaults were chosen with the simulator (scripts/bench_gossip.py, docs/gossip.md
 explains each choice with the figures). Timers are milliseconds of the monotonic clock.
+The fields made with `setting` are the operator's `[gossip]` keys (daemon/config.py); the
+others are tuning set only in code.
 """
 
 from __future__ import annotations
@@ -9,17 +11,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from loadmesh.settings import SettingError, between, check_settings, setting
+
 
 @dataclass(frozen=True)
 class GossipParams:
     # Rounds: every interval_ms (each period drawn in interval_ms * (1 +- jitter), so that
     # nodes started together do not stay in step), to `fanout` random live peers.
-    interval_ms: int = 500
+    interval_ms: int = setting(500, between(10, 60_000), "gossip round period")
     jitter: float = 0.1
-    fanout: int = 3
+    fanout: int = setting(3, between(1, 64), "peers contacted each round")
     # Compound datagrams never exceed this; 1400 leaves room for IP/UDP headers and a
     # tunnel under a 1500-byte MTU. Must be the same on every node: a receiver drops larger.
-    max_datagram: int = 1400
+    max_datagram: int = setting(1400, between(512, 65_507),
+                                "largest datagram sent or accepted, the same on every node")
     # A round datagram carries announcements, each sent at most
     # retransmit_mult * ceil(log10(N + 1)) times by each node (memberlist's limit).
     retransmit_mult: int = 2
@@ -35,9 +40,10 @@ class GossipParams:
     scale_nodes: int = 100
     # Failure detection: measured from the local receive time of the last newer version
     # or of a later beat from the peer itself, never from the peer's clock.
-    suspect_after_ms: int = 2800
-    dead_after_ms: int = 4300
-    reap_after_ms: int = 600_000
+    suspect_after_ms: int = setting(2800, between(100, 3_600_000),
+                                    "a peer whose version stood still this long is suspect")
+    dead_after_ms: int = setting(4300, between(200, 3_600_000), "... and dead (not routed to)")
+    reap_after_ms: int = setting(600_000, between(1000, 86_400_000), "... and forgotten")
     # A suspect is asked directly for a fresh beat this often until alive or dead: 15
     # probes between suspect and dead, so at 20% loss each way all fail with p = 2e-7.
     probe_interval_ms: int = 100
@@ -61,8 +67,9 @@ class GossipParams:
     # one before it; decoded, a snapshot takes up to ~20x its encoding in memory, so the
     # default holds the table under ~100 MB whatever peers send (a 4-GPU, 2-model snapshot
     # is ~230 bytes; 16 GPUs and 64 models ~2-8 KB).
-    max_peers: int = 4096
-    max_table_bytes: int = 2 << 20
+    max_peers: int = setting(4096, between(1, 1_000_000), "bound of the peer table")
+    max_table_bytes: int = setting(2 << 20, between(64 << 10, 1 << 30),
+                                   "bound of the peers' snapshot encodings held")
     anchors_per_source: int = 8
     rate_per_source: float = 500.0
     rate_burst: float = 1000.0
@@ -78,28 +85,30 @@ class GossipParams:
     cookie_epoch_ms: int = 60_000
 
     def __post_init__(self) -> None:
-        for f in fields(self):
+        # The class's own fields: the agent's GossipConfig adds addresses and paths.
+        for f in fields(GossipParams):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{f.name}: expected a number, got {value!r}")
+                raise SettingError(f.name, f"expected a number, got {value!r}")
             if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
-                raise ValueError(f"{f.name}: must be a finite number >= 0, got {value!r}")
+                raise SettingError(f.name, f"must be a finite number >= 0, got {value!r}")
+        check_settings(self)
         if not 0 <= self.jitter < 1:
-            raise ValueError(f"jitter: must be in [0, 1), got {self.jitter}")
-        # 29 bytes of header, 16 of tag, and room for at least one announcement.
-        if not 64 <= self.max_datagram <= 65_507:
-            raise ValueError(f"max_datagram: must be 64..65507, got {self.max_datagram}")
-        for name in ("interval_ms", "fanout", "retransmit_mult", "max_datagrams_per_peer",
-                     "beat_interval_ms", "scale_nodes", "suspect_after_ms", "pull_timeout_ms",
-                     "push_pull_interval_ms", "dead_sync_interval_ms", "join_retry_ms",
-                     "max_peers", "max_table_bytes", "anchors_per_source", "rate_per_source", "rate_burst", "max_sources", "urgent_relays_per_s",
+            raise SettingError("jitter", f"must be in [0, 1), got {self.jitter}")
+        for name in ("retransmit_mult", "max_datagrams_per_peer", "beat_interval_ms",
+                     "scale_nodes", "pull_timeout_ms", "push_pull_interval_ms",
+                     "dead_sync_interval_ms", "join_retry_ms", "anchors_per_source",
+                     "rate_per_source", "rate_burst", "max_sources", "urgent_relays_per_s",
                      "probe_interval_ms", "cookie_epoch_ms", "max_clock_skew_ms"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive")
+                raise SettingError(name, "must be positive")
         if not self.suspect_after_ms < self.dead_after_ms < self.reap_after_ms:
-            raise ValueError("timers: need suspect_after_ms < dead_after_ms < reap_after_ms")
+            raise ValueError(f"need suspect_after_ms < dead_after_ms < reap_after_ms, got "
+                             f"{self.suspect_after_ms}, {self.dead_after_ms}, {self.reap_after_ms}")
+        # A peer beats every beat_interval_ms: suspecting it sooner would suspect everyone.
         if self.beat_interval_ms >= self.suspect_after_ms:
-            raise ValueError("beat_interval_ms must be shorter than suspect_after_ms")
+            raise ValueError(f"suspect_after_ms ({self.suspect_after_ms}) must be above the beat "
+                             f"interval (beat_interval_ms, {self.beat_interval_ms})")
 
     def retransmit_limit(self, nodes: int) -> int:
         """How many times a node sends one announcement: memberlist's

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import socket
+import subprocess
+import typing
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from conftest import LOADMESH
 from loadmesh.daemon import config
 from loadmesh.daemon.config import ConfigError
+from loadmesh.daemon.score import ScoreConfig
+from loadmesh.gossip.config import GossipParams
+from loadmesh.settings import settings_of
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_error(text: str) -> ConfigError:
@@ -112,3 +123,97 @@ def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
 
 def test_printed_defaults_parse_back_to_the_defaults() -> None:
     assert config.parse(config.defaults_toml()) == config.load(None)
+
+
+def _schema_classes(cls: type) -> set[type]:
+    """Every dataclass the schema is made of: the sections, the classes they extend, and
+    the dataclasses they hold (the router's score thresholds)."""
+    found = {c for c in cls.__mro__ if dataclasses.is_dataclass(c)}
+    for f in dataclasses.fields(cls):
+        kind = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(kind):
+            found |= _schema_classes(kind)
+    return found
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in settings_of(cls):
+        kind = typing.get_type_hints(cls)[f.name]
+        nested = dataclasses.is_dataclass(kind)
+        out += _keys(kind, f"{prefix}{f.name}.") if nested else [prefix + f.name]
+    return out
+
+
+def test_no_setting_is_defined_twice() -> None:
+    classes = _schema_classes(config.Config)
+    # Each field is defined in one class only: none copied into another section's class,
+    # none redefined by a class that extends another.
+    homes: dict[str, list[str]] = {}
+    for cls in classes:
+        for name in cls.__dict__.get("__annotations__", {}):
+            homes.setdefault(name, []).append(cls.__qualname__)
+    assert {n: h for n, h in homes.items() if len(h) > 1} == {}
+    # No key twice in the schema, and every key a field of the class that uses it.
+    keys = _keys(config.Config)
+    assert len(keys) == len(set(keys))
+    assert {"gossip.interval_ms", "gossip.bind", "load.degraded_at", "load.weights.cpu",
+            "routing.freshness_s", "probes.ports"} <= set(keys)
+    assert "routing.score" not in keys and "gossip.beat_interval_ms" not in keys
+    # No second class of the same name anywhere in the package (there were two RoutingConfig).
+    names = Counter(node.name for root in ("daemon", "gossip", "probes", "src")
+                    for path in (REPO / root).rglob("*.py")
+                    for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ClassDef))
+    assert {c.__name__: names[c.__name__] for c in classes} == {c.__name__: 1 for c in classes}
+
+
+def test_the_sections_are_what_the_components_use() -> None:
+    c = config.load(None)
+    assert isinstance(c.gossip, GossipParams) and isinstance(c.load, ScoreConfig)
+    # The router judges peers by this node's own thresholds, also once they are replaced.
+    assert c.routing.score == c.load
+    changed = dataclasses.replace(c, load=dataclasses.replace(c.load, degraded_at=0.5))
+    assert changed.routing.score.degraded_at == 0.5
+
+
+# Each rule broken by one key, and the other key it names (config_rules.py).
+CROSS_KEY = [
+    # Rounds of 5 s: beats 7 s apart against 2.8 s of suspicion (a flapping mesh).
+    ("[gossip]\ninterval_ms = 5000\n", "gossip.interval_ms", "gossip.suspect_after_ms"),
+    # The bound: 1500 ms of beat interval + 1182 * 1.1 ms of round reach 2800.
+    ("[gossip]\ninterval_ms = 1182\n", "gossip.interval_ms", "gossip.suspect_after_ms"),
+    ("[gossip]\nsuspect_after_ms = 1900\n", "gossip.interval_ms", "gossip.suspect_after_ms"),
+    # 5000 + 250 + 2050 + 300 ms = 7.6 s before a quiet peer's next snapshot is here.
+    ("[routing]\nfreshness_s = 7.5\n", "routing.freshness_s", "load.heartbeat_ms"),
+    ("[load]\nheartbeat_ms = 20000\n", "routing.freshness_s", "load.heartbeat_ms"),
+    ("[load]\ntick_ms = 2000\nheartbeat_ms = 1000\n", "load.heartbeat_ms", "load.tick_ms"),
+]
+
+
+@pytest.mark.parametrize("text, key, other", CROSS_KEY)
+def test_keys_that_depend_on_each_other_are_checked_together(text: str, key: str,
+                                                             other: str) -> None:
+    err = parse_error(text)
+    assert err.key == key and other in err.problem
+
+
+@pytest.mark.parametrize("text", [
+    "[gossip]\ninterval_ms = 1181\n",
+    "[routing]\nfreshness_s = 7.6\n",
+    "[load]\nheartbeat_ms = 20000\n[routing]\nfreshness_s = 22.6\n",
+    "[load]\ntick_ms = 1000\nheartbeat_ms = 1000\n",
+])
+def test_the_bounds_of_the_rules_are_accepted(text: str) -> None:
+    config.parse(text)
+
+
+@pytest.mark.parametrize("text, key, other", [CROSS_KEY[0], CROSS_KEY[3], CROSS_KEY[5]])
+def test_the_agent_refuses_a_broken_rule_with_exit_78(tmp_path: Path, text: str, key: str,
+                                                      other: str) -> None:
+    path = tmp_path / "loadmesh.toml"
+    path.write_text(text)
+    run = subprocess.run([LOADMESH, "agent", "--config", str(path)], capture_output=True,
+                         text=True, timeout=30)
+    assert run.returncode == config.EXIT_CONFIG
+    assert f"{path}: {key}: " in run.stderr and other in run.stderr

@@ -77,6 +77,15 @@ def test_a_bad_file_changes_nothing(make_agent, run_dir: Path) -> None:
     reload(agent, missing_key, "failed")
     assert f"{agent.config_path}: gossip.key_file: {run_dir}/no-such.key" in agent.logs()
 
+    # Right as a file, wrong as it would run: the heartbeat waits for a restart, and the
+    # freshness window that would apply now is below the running heartbeat's.
+    shorter = agent_config(sock, extra="[routing]\nfreshness_s = 4.0\n[load]\nheartbeat_ms = 1000\n",
+                           metrics=metrics_config(port))
+    reload(agent, shorter, "failed")
+    assert (f"{agent.config_path}: routing.freshness_s: 4 s is shorter than a quiet peer's "
+            "snapshot gets") in agent.logs()
+    assert "load.heartbeat_ms = 5000" in agent.logs() and "as it would run" in agent.logs()
+
     reload(agent, good, "no change to apply")
     assert reload_ok(port) == 1
     assert agent.proc.poll() is None

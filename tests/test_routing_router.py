@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from loadmesh.daemon.routing import Decision, NoCandidate, PeerInput, Router, RoutingConfig
 from loadmesh.daemon.routing.p2c import OwnShare
 from loadmesh.daemon.routing.shed import GUESTS, ORPHANS, Seat, passes_on
+from loadmesh.daemon.score import ScoreConfig
 from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
 from loadmesh.probes.model_id import model_id
 
@@ -619,7 +620,7 @@ def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         RoutingConfig(vnodes=50)
     with pytest.raises(ValueError):
-        RoutingConfig(degraded_at=0.95)
+        RoutingConfig(score=ScoreConfig(degraded_at=0.95))
     assert replace(RoutingConfig(), choices=2).choices == 2
 
 

@@ -2,11 +2,11 @@
 sets built from the peer table whenever it changes, so that a request only draws.
 
 A peer serves model M when M is in its snapshot's models (seen in its traffic by the
-probes) or when RoutingConfig.static_models lists M for it (a server that has not had a
-request yet shows no model, and would otherwise never get its first one). A candidate for
-M is a peer serving M that the membership holds alive, that is not draining and that has
-an endpoint. Everything that changes between two table updates (circuits, slow start,
-freshness, the request's exclusions) is checked per request.
+probes) or when RoutingConfig.static_models (daemon/config.py) lists M for it (a server
+that has not had a request yet shows no model, and would otherwise never get its first
+one). A candidate for M is a peer serving M that the membership holds alive, that is not
+draining and that has an endpoint. Everything that changes between two table updates
+(circuits, slow start, freshness, the request's exclusions) is checked per request.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from loadmesh.daemon.config import RoutingConfig
 from loadmesh.daemon.routing.breaker import Breaker
 from loadmesh.daemon.routing.p2c import WeightedTable
 from loadmesh.daemon.routing.slow_start import ramp
@@ -49,55 +50,6 @@ _STEADY_VERSIONS = 9
 # a step), and at least 1/8 of it.
 _RING_STEPS_PER_DOUBLING = 2
 _RING_LEAST = 1 / 8
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    choices: int = 3                   # d of the d choices
-    alternatives: int = 2              # retry targets returned with each answer
-    # Sessions' slack: this node passes sessions on while its load per slot is above
-    # (1 + epsilon) x its model's fleet's (shed.py).
-    epsilon: float = 0.15
-    vnodes: int = 160                  # ring points per peer
-    slow_start_s: float = 30.0         # ramp of a joined or recovered peer's weight
-    slow_start_floor: float = 0.1      # the ramp's starting fraction
-    breaker_failures: int = 3          # consecutive errors or timeouts that open a circuit
-    breaker_cooldown_s: float = 10.0   # open time before the half-open trial
-    error_ratio_threshold: float = 0.05  # a model's error ratio above this: degraded
-    degraded_at: float = 0.7           # score watermarks, as the snapshot builder uses them
-    overloaded_at: float = 0.9
-    degraded_weight: float = 0.75      # capacity factor of a degraded peer
-    overloaded_weight: float = 0.5     # capacity factor of an overloaded peer
-    # A snapshot older than this no longer says anything about the peer's load: such
-    # peers are used only when no peer with a fresh one is left. Three heartbeats.
-    freshness_s: float = 15.0
-    # Scaling of this node's own traffic since a snapshot to the fleet's (p2c.OwnShare).
-    own_share_half_life_s: float = 10.0
-    own_share_cap: float = 32.0
-    # node_id -> model names it serves before any traffic shows them.
-    static_models: Mapping[str, frozenset[str]] = field(default_factory=dict)
-    seed: int | None = None            # for reproducible draws (tests, simulator)
-
-    def __post_init__(self) -> None:
-        if self.choices < 1 or self.alternatives < 0:
-            raise ValueError("need choices >= 1 and alternatives >= 0")
-        if not self.epsilon > 0:
-            raise ValueError("epsilon must be positive")
-        if self.vnodes < 100:
-            raise ValueError("vnodes must be at least 100 for an even spread")
-        if self.slow_start_s < 0 or self.breaker_cooldown_s < 0 or not self.freshness_s > 0:
-            raise ValueError("slow_start_s and breaker_cooldown_s >= 0, freshness_s > 0")
-        if not self.own_share_half_life_s > 0 or not self.own_share_cap >= 1:
-            raise ValueError("own_share_half_life_s must be positive, own_share_cap >= 1")
-        if self.breaker_failures < 1:
-            raise ValueError("breaker_failures must be at least 1")
-        if not all(0 < w <= 1 for w in (self.slow_start_floor, self.degraded_weight,
-                                        self.overloaded_weight)):
-            raise ValueError("slow_start_floor, degraded_weight and overloaded_weight must be in (0, 1]")
-        if not 0 < self.degraded_at < self.overloaded_at <= 1:
-            raise ValueError("need 0 < degraded_at < overloaded_at <= 1")
-        if not 0 <= self.error_ratio_threshold <= 1:
-            raise ValueError("error_ratio_threshold must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -176,7 +128,8 @@ class PeerState:
         self.alive: bool = row.alive
         self.is_self: bool = row.is_self
         self.in_flight: int = sum(m.in_flight for m in snap.models)
-        self.overloaded: bool = snap.state is State.OVERLOADED or snap.score >= config.overloaded_at
+        self.overloaded: bool = (snap.state is State.OVERLOADED
+                                 or snap.score >= config.score.overloaded_at)
         self.forget_before(self.taken_ms)
 
     def _learn(self, snap: LoadSnapshot, now_ms: int, config: RoutingConfig) -> None:
@@ -340,7 +293,7 @@ def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfi
     if peer.overloaded:
         health = config.overloaded_weight
     elif (failing > config.error_ratio_threshold or snap.state is State.DEGRADED
-          or snap.score >= config.degraded_at):
+          or snap.score >= config.score.degraded_at):
         health = config.degraded_weight
     else:
         health = 1.0
