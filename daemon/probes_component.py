@@ -21,7 +21,7 @@ from loadmesh.daemon.config import ProbesConfig
 from loadmesh.daemon.health import OK, Health, State, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.snapshot_builder import ModelFigures
-from loadmesh.probes.model_id import NO_MODEL
+from loadmesh.model_id import NO_MODEL
 
 if TYPE_CHECKING:
     from loadmesh.probes.reader import LatencyCounts

@@ -34,7 +34,7 @@ from pathlib import Path
 from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, ModelLoad, State
 from loadmesh.gossip.transport import GossipService
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 MODEL = "bench-llama-70b"
 LOADMESH = str(Path(sys.executable).with_name("loadmesh"))

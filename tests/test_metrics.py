@@ -31,7 +31,7 @@ from loadmesh.gossip.snapshot import State as NodeState
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 from loadmesh.probes import abi, buckets
 from loadmesh.probes.maps import FlowTable, MapSnapshot
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 from loadmesh.probes.reader import FingerprintReader, nearest_edge_ns
 
 MS = 1_000_000

@@ -3,6 +3,8 @@ start, circuits, answers without a candidate."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import replace
 
@@ -14,7 +16,7 @@ from loadmesh.daemon.routing import Decision, NoCandidate, PeerInput, Router, Ro
 from loadmesh.daemon.routing.p2c import OwnShare
 from loadmesh.daemon.routing.shed import GUESTS, ORPHANS, Seat, passes_on
 from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 MODEL = "llama-3-8b"
 NOW = 1_000_000
@@ -653,3 +655,12 @@ def test_candidates_are_rebuilt_only_when_what_they_are_built_from_changes(monke
     assert len(builds) == before
     r.update(quiet, NOW + 3000 + 10_001)
     assert len(builds) == before + 1
+
+
+def test_importing_the_router_loads_no_probe_code() -> None:
+    # The probes package imports its loader and pyroute2: most of the router's import
+    # time when the model-id hash lived there.
+    code = ("import sys, loadmesh.daemon.routing.router; "
+            "print(sorted(m for m in sys.modules if m.startswith(('loadmesh.probes', 'pyroute2', 'bcc'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

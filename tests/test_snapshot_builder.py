@@ -8,7 +8,7 @@ from loadmesh.daemon.score import ScoreConfig, ScoreWeights
 from loadmesh.daemon.snapshot_builder import SnapshotBuilder
 from loadmesh.daemon.versioning import ChangeDetector, VersionClock, VersionStore
 from loadmesh.gossip.snapshot import MAX_MODELS, Endpoint, GpuLoad, HostLoad, ModelLoad, State, decode, encode
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 START_MS = 1_764_500_000_000
 

@@ -21,7 +21,7 @@ from loadmesh.daemon.routing.breaker import Breaker
 from loadmesh.daemon.routing.p2c import WeightedTable
 from loadmesh.daemon.routing.slow_start import ramp
 from loadmesh.gossip.snapshot import LoadSnapshot, ModelLoad, State
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 # Per snapshot, the share of a rise of the P50 that the service time estimate takes.
 _SERVICE_RISE = 0.05

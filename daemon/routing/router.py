@@ -55,7 +55,7 @@ from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
 from loadmesh.daemon.routing.ring import HashRing, hash64
 from loadmesh.daemon.routing.shed import Seat, Shedding, passes_on
 from loadmesh.gossip.snapshot import State
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 Outcome = Literal["ok", "error", "timeout"]
 OUTCOMES: frozenset[str] = frozenset({"ok", "error", "timeout"})
