@@ -21,7 +21,7 @@ from prometheus_client.registry import CollectorRegistry
 from loadmesh.daemon import logs
 from loadmesh.daemon.api_server import ApiServer, Router
 from loadmesh.daemon.config import EXIT_CONFIG, Config, open_mesh_refusal
-from loadmesh.daemon.health import Component, State, StartupError
+from loadmesh.daemon.health import Component, HealthState, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.gossip_component import GossipComponent
 from loadmesh.daemon.gpu_component import GpuComponent
@@ -172,11 +172,11 @@ class Agent:
     def _components_json(self) -> dict[str, dict[str, str]]:
         return {c.name: c.health().as_json() for c in self.components}
 
-    def _overall(self) -> State:
+    def _overall(self) -> HealthState:
         # "off" is a component this host does not have (no GPU, no interfaces): that is
         # how the host is, not something wrong with the agent.
-        degraded = any(c.health().state is State.DEGRADED for c in self.components)
-        return State.DEGRADED if degraded else State.OK
+        degraded = any(c.health().state is HealthState.DEGRADED for c in self.components)
+        return HealthState.DEGRADED if degraded else HealthState.OK
 
     def _summary(self) -> str:
         return ", ".join(f"{c.name} {c.health()}" for c in self.components)

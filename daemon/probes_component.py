@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from loadmesh.daemon import logs
 from loadmesh.daemon.api_server import Router
 from loadmesh.daemon.config import ProbesConfig
-from loadmesh.daemon.health import OK, Health, State, StartupError
+from loadmesh.daemon.health import OK, Health, HealthState, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.snapshot_builder import ModelFigures
 from loadmesh.model_id import NO_MODEL
@@ -36,7 +36,7 @@ class ProbesComponent:
 
     def __init__(self, config: ProbesConfig, router: Router) -> None:
         self.config = config
-        self._health = Health(State.OFF, "not started")
+        self._health = Health(HealthState.OFF, "not started")
         self._probes: Any = None
         self._reader: Any = None
         self._poller: asyncio.Task[None] | None = None
@@ -47,7 +47,7 @@ class ProbesComponent:
 
     async def start(self) -> None:
         if not self.config.interfaces:
-            self._health = Health(State.OFF, "no interfaces configured")
+            self._health = Health(HealthState.OFF, "no interfaces configured")
             log.info("off: no interfaces configured")
             return
         # Imported here so that an agent without bcc still starts, degraded.
@@ -79,7 +79,7 @@ class ProbesComponent:
             # unit would restart into it forever); the operator must change one of them.
             raise StartupError(f"probes are required (probes.required = true): {reason}",
                                config=True)
-        self._health = Health(State.DEGRADED, reason)
+        self._health = Health(HealthState.DEGRADED, reason)
         log.warning("running without probes: %s", reason)
 
     def on_read(self, callback: Callable[[], None]) -> None:

@@ -21,7 +21,7 @@ from loadmesh.daemon.api_server import Router
 from loadmesh.daemon.collectors.host import HostCollector
 from loadmesh.daemon.config import Config, split_host_port
 from loadmesh.daemon.gpu_component import GpuComponent
-from loadmesh.daemon.health import OK, Health, StartupError, State
+from loadmesh.daemon.health import OK, Health, HealthState, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.model_list import ModelLister
 from loadmesh.daemon.probes_component import POLL_S, ProbesComponent
@@ -145,7 +145,7 @@ class SnapshotComponent:
             self._state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
         except OSError as exc:
             # Versions then restart from the clock: still never backwards, just less tidy.
-            self._health = Health(State.DEGRADED,
+            self._health = Health(HealthState.DEGRADED,
                                   f"state directory {self._state_dir}: {exc.strerror}")
             log.warning("%s", self._health.reason)
         try:
@@ -192,10 +192,10 @@ class SnapshotComponent:
     def health(self) -> Health:
         stalled = self.stalled_s
         if stalled:
-            return Health(State.DEGRADED, f"no snapshot built for {stalled:.0f} s: peers "
+            return Health(HealthState.DEGRADED, f"no snapshot built for {stalled:.0f} s: peers "
                                           f"see this node's last one")
         if self._drain_error:
-            return Health(State.DEGRADED, self._drain_error)
+            return Health(HealthState.DEGRADED, self._drain_error)
         return self._health
 
     @property

@@ -13,7 +13,7 @@ from loadmesh.gossip.membership import PeerState, PeerTable
 from loadmesh.gossip.pulls import PullTracker
 from loadmesh.gossip.ratelimit import SourceLimiter, TokenBucket, source_key
 from loadmesh.gossip.replay import ReplayGuard
-from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState, encode
 from loadmesh.gossip.suspicion import Prober
 from loadmesh.gossip.wire import node_key
 
@@ -22,7 +22,7 @@ ADDR = ("10.0.0.1", 7946)
 
 def snap(node: str, version: int, ts: int = 1000, score: float = 0.5) -> LoadSnapshot:
     return LoadSnapshot(node_id=node, endpoints=(Endpoint("10.0.0.1", 8000),), version=version, timestamp_ms=ts,
-                        state=State.OK, score=score, host=HostLoad(0.1, 1, 2, 0.5, None), gpus=(), models=())
+                        state=NodeState.OK, score=score, host=HostLoad(0.1, 1, 2, 0.5, None), gpus=(), models=())
 
 
 def merge(table: PeerTable, s: LoadSnapshot, beat: int = 0, now: int = 0, anchor: str | None = None) -> object:

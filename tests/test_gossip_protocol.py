@@ -17,7 +17,7 @@ from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import Addr, PeerState
 from loadmesh.gossip.protocol import GossipCore, Outgoing
-from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState, encode
 from loadmesh.gossip.wire import Kind
 
 WALL = 1_764_000_000_000
@@ -39,7 +39,7 @@ def forge(to: GossipCore, kind: Kind, sender: int, body: bytes, src: Addr, now: 
                      echo=to.cookies.token(src, now))
 
 
-def snap(node: str, version: int, now: int = 0, state: State = State.OK, score: float = 0.5) -> LoadSnapshot:
+def snap(node: str, version: int, now: int = 0, state: NodeState = NodeState.OK, score: float = 0.5) -> LoadSnapshot:
     return LoadSnapshot(node_id=node, endpoints=(Endpoint("10.9.9.9", 8000),), version=version,
                         timestamp_ms=WALL + now, state=state, score=score,
                         host=HostLoad(score, 1000, 2000, 1.5, None), gpus=(), models=())
@@ -291,7 +291,7 @@ def test_urgent_version_reaches_everyone_before_any_round() -> None:
             mesh.join(cores[i], *cores[:i])
         mesh.run(20)
     assert all(len(c.table) == 9 for c in cores)
-    mesh.publish(cores[0], snap("node-0", 500, mesh.now, state=State.DRAINING), urgent=True)
+    mesh.publish(cores[0], snap("node-0", 500, mesh.now, state=NodeState.DRAINING), urgent=True)
     mesh.run(30)  # 30 ms, a few hops, no round
     assert set(mesh.versions("node-0").values()) == {500}
     # An ordinary version is pushed to `fanout` peers at once and waits for rounds.
@@ -371,7 +371,7 @@ def _datagrams_of_a_live_mesh() -> list[bytes]:
         original(src, out)
 
     mesh.send = capture  # type: ignore[method-assign]
-    mesh.publish(cores[1], snap("node-1", 900, mesh.now, state=State.OVERLOADED), urgent=True)
+    mesh.publish(cores[1], snap("node-1", 900, mesh.now, state=NodeState.OVERLOADED), urgent=True)
     mesh.publish(cores[2], snap("node-2", 900, mesh.now, score=0.8))
     late = mesh.add("late", keyring=Keyring([KEY_A]))
     mesh.join(late, cores[0])

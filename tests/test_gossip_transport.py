@@ -14,7 +14,7 @@ from loadmesh.gossip import discovery as discovery_module
 from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import PeerState
-from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState
 from loadmesh.gossip.transport import GossipService, parse_seed
 
 KEY = bytes(range(32))
@@ -25,7 +25,7 @@ PARAMS = GossipParams(interval_ms=50, beat_interval_ms=200, suspect_after_ms=150
 
 def snap(node: str, version: int, score: float = 0.5) -> LoadSnapshot:
     return LoadSnapshot(node_id=node, endpoints=(Endpoint("127.0.0.1", 8000),), version=version,
-                        timestamp_ms=time.time_ns() // 1_000_000, state=State.OK, score=score,
+                        timestamp_ms=time.time_ns() // 1_000_000, state=NodeState.OK, score=score,
                         host=HostLoad(score, 1000, 2000, 1.0, None), gpus=(), models=())
 
 

@@ -24,10 +24,9 @@ import nettopo
 from conftest import agent_config
 from loadmesh.daemon.client import ApiError, Client
 from loadmesh.daemon.collectors.gpu import GpuInfo
-from loadmesh.daemon.health import Health, State
+from loadmesh.daemon.health import Health, HealthState
 from loadmesh.daemon.metrics import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, AgentCollector
-from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad
-from loadmesh.gossip.snapshot import State as NodeState
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 from loadmesh.probes import abi, buckets
 from loadmesh.probes.maps import FlowTable, MapSnapshot
@@ -135,7 +134,7 @@ def _agent_view() -> SimpleNamespace:
              {"node_id": "n3", "state": "suspect"}]
     counters = {"datagrams_sent": 10, "bytes_sent": 1400, "datagrams_received": 9,
                 "bytes_received": 1300, "drop_bad_tag": 4, "pulls_sent": 2}
-    component = SimpleNamespace(name="probes", health=lambda: Health(State.DEGRADED, "x"))
+    component = SimpleNamespace(name="probes", health=lambda: Health(HealthState.DEGRADED, "x"))
     return SimpleNamespace(
         node_id="n1", version="0.1.0", components=[component],
         probes=SimpleNamespace(summary=lambda: report, latency_counts=latency_counts),

@@ -13,7 +13,7 @@ import pytest
 from loadmesh.daemon import snapshot_component
 from loadmesh.daemon.api_server import Router
 from loadmesh.daemon.config import Config, LoadConfig
-from loadmesh.daemon.health import State
+from loadmesh.daemon.health import HealthState
 from loadmesh.daemon.snapshot_component import SnapshotComponent
 from loadmesh.daemon.versioning import VersionStore
 
@@ -87,14 +87,14 @@ async def _a_stuck_tick_degrades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     await component.start()
     try:
         await asyncio.sleep(0.3)
-        assert component.stalled_s == 0 and component.health().state is State.OK
+        assert component.stalled_s == 0 and component.health().state is HealthState.OK
         gpu.stuck = True
         deadline = time.monotonic() + 5
         while not component.stalled_s:
             assert time.monotonic() < deadline, "the stuck tick was not noticed"
             await asyncio.sleep(0.05)
         health = component.health()
-        assert health.state is State.DEGRADED and "no snapshot built for" in health.reason
+        assert health.state is HealthState.DEGRADED and "no snapshot built for" in health.reason
     finally:
         await component.stop()
 

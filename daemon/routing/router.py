@@ -45,7 +45,7 @@ from loadmesh.daemon.routing.candidates import (
     Candidate,
     ModelCandidates,
     PeerInput,
-    PeerState,
+    PeerRecord,
     RoutingConfig,
     build,
     pace_expiry,
@@ -54,7 +54,7 @@ from loadmesh.daemon.routing.candidates import (
 from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
 from loadmesh.daemon.routing.ring import HashRing, hash64
 from loadmesh.daemon.routing.shed import Seat, Shedding, passes_on
-from loadmesh.gossip.snapshot import State
+from loadmesh.gossip.snapshot import NodeState
 from loadmesh.model_id import model_id
 
 Outcome = Literal["ok", "error", "timeout"]
@@ -134,7 +134,7 @@ class Router:
         # Drawn per request: the d choices, and more when the alternatives need them.
         self._draw = max(c.choices, 1 + c.alternatives)
         self._static_ids = static_model_ids(c)
-        self._peers: dict[str, PeerState] = {}
+        self._peers: dict[str, PeerRecord] = {}
         self._models: dict[int, ModelCandidates] = {}
         # What the candidates were built from, and until when they hold without it
         # changing (a pace remembered expires): a table of hundreds of peers serving many
@@ -153,7 +153,7 @@ class Router:
         for node_id, row in rows.items():
             peer = self._peers.get(node_id)
             if peer is None:
-                self._peers[node_id] = PeerState(row, now_ms, self.config)
+                self._peers[node_id] = PeerRecord(row, now_ms, self.config)
             else:
                 peer.refresh(row, now_ms, self.config)
         inputs = tuple(sorted((r.node_id, r.snapshot.version, r.snapshot.timestamp_ms, r.alive, r.since_ms)
@@ -346,7 +346,7 @@ class Router:
         for p in entry.known:
             if not p.alive:
                 counts["dead"] += 1
-            elif p.snapshot.state is State.DRAINING:
+            elif p.snapshot.state is NodeState.DRAINING:
                 counts["draining"] += 1
             elif not p.snapshot.endpoints:
                 counts["no endpoint"] += 1
