@@ -19,8 +19,9 @@ from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 from loadmesh.daemon import logs
-from loadmesh.daemon.api_server import ApiServer, Router
+from loadmesh.daemon.api_server import ApiServer, RouteTable
 from loadmesh.daemon.config import EXIT_CONFIG, Config, open_mesh_refusal
+from loadmesh.daemon.endpoints import endpoints
 from loadmesh.daemon.health import Component, HealthState, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.gossip_component import GossipComponent
@@ -48,16 +49,15 @@ class Agent:
         """config_path: the file config came from, reread on SIGHUP (None: defaults)."""
         self.config = config
         self.version = software_version()
-        self.router = Router()
-        self.probes = ProbesComponent(config.probes, self.router)
+        self.probes = ProbesComponent(config.probes)
         self.gpu = GpuComponent()
-        self.snapshot = SnapshotComponent(config, self.probes, self.gpu, self.router)
+        self.snapshot = SnapshotComponent(config, self.probes, self.gpu)
         self.gossip = GossipComponent(config.node_id, config.gossip, config.advertise or None,
-                                      self.snapshot, self.router)
+                                      self.snapshot)
         self.routing = RoutingComponent(
             config.node_id,
             routing_config(config.routing, config.load.degraded_at, config.load.overloaded_at),
-            self.gossip, self.snapshot, self.router)
+            self.gossip, self.snapshot)
         self.reloader = Reloader(config_path, self.probes, self.snapshot, self.gossip, self.routing)
         registry = CollectorRegistry()
         registry.register(AgentCollector(self, config.metrics.model_labels))
@@ -65,14 +65,12 @@ class Agent:
         # The API comes first: claiming its socket is what stops a second agent on the same
         # host before it attaches probes a second time.
         self.components: list[Component] = [
-            ApiServer(config.api.socket, self.router), self.probes, self.gpu, self.snapshot,
-            self.gossip, self.routing, MetricsServer(config.metrics.listen, registry)]
+            ApiServer(config.api.socket, RouteTable(endpoints(self))), self.probes, self.gpu,
+            self.snapshot, self.gossip, self.routing, MetricsServer(config.metrics.listen, registry)]
         self.notifier = Notifier()
         self._started_wall = time.time()
         self._started_mono = time.monotonic()
         self._running = False  # every component started
-        self.router.add("GET", "/healthz", self._healthz)
-        self.router.add("GET", "/v1/status", self._status)
 
     @property
     def node_id(self) -> str:
@@ -184,7 +182,7 @@ class Agent:
     def _state(self) -> str:
         return str(self._overall()) if self._running else "starting"
 
-    def _healthz(self, _: Request) -> Response:
+    def serve_healthz(self, _: Request) -> Response:
         # 200 while the agent serves at all: a degraded agent still routes and gossips, and
         # a supervisor that restarted it for a missing GPU would only make things worse.
         # 503 until every component has started: the API answers first (its socket is
@@ -192,7 +190,7 @@ class Agent:
         return Response.json({"status": self._state(), "components": self._components_json()},
                              HTTPStatus.OK if self._running else HTTPStatus.SERVICE_UNAVAILABLE)
 
-    def _status(self, _: Request) -> Response:
+    def serve_status(self, _: Request) -> Response:
         body: dict[str, Any] = {
             "node_id": self.config.node_id,
             "version": self.version,

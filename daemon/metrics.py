@@ -305,8 +305,8 @@ class AgentCollector(Collector):
             table.add_metric([], service.table_bytes())
             by_state = dict.fromkeys((s.value for s in PeerState), 0)
             for peer in service.peers():
-                if peer["node_id"] != self.agent.node_id:
-                    by_state[str(peer["state"])] += 1
+                if peer.node_id != self.agent.node_id:
+                    by_state[peer.state.value] += 1
             for state, n in by_state.items():
                 peers.add_metric([state], n)
             counts = service.counters()

@@ -16,7 +16,6 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from loadmesh.daemon import logs
-from loadmesh.daemon.api_server import Router
 from loadmesh.daemon.config import ProbesConfig
 from loadmesh.daemon.health import OK, Health, HealthState, StartupError
 from loadmesh.daemon.http import Request, Response
@@ -34,7 +33,7 @@ POLL_S = 0.25
 class ProbesComponent:
     name = "probes"
 
-    def __init__(self, config: ProbesConfig, router: Router) -> None:
+    def __init__(self, config: ProbesConfig) -> None:
         self.config = config
         self._health = Health(HealthState.OFF, "not started")
         self._probes: Any = None
@@ -43,7 +42,6 @@ class ProbesComponent:
         self._stopping = asyncio.Event()
         self._read_ms: int | None = None
         self._on_read: list[Callable[[], None]] = []
-        router.add("GET", "/v1/fingerprints", self._fingerprints)
 
     async def start(self) -> None:
         if not self.config.interfaces:
@@ -152,7 +150,7 @@ class ProbesComponent:
             await asyncio.to_thread(self._probes.set_ports, ports)
         self.config = dataclasses.replace(self.config, ports=tuple(ports))
 
-    def _fingerprints(self, _: Request) -> Response | Awaitable[Response]:
+    def serve_fingerprints(self, _: Request) -> Response | Awaitable[Response]:
         if self._reader is None:
             return Response.error(HTTPStatus.SERVICE_UNAVAILABLE,
                                   f"probes are not running: {self._health}")

@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 
 from loadmesh.daemon import logs
-from loadmesh.daemon.api_server import Router
 from loadmesh.daemon.collectors.host import HostCollector
 from loadmesh.daemon.config import Config, split_host_port
 from loadmesh.daemon.gpu_component import GpuComponent
@@ -81,8 +80,7 @@ def score_config(config: Config) -> ScoreConfig:
 class SnapshotComponent:
     name = "snapshot"
 
-    def __init__(self, config: Config, probes: ProbesComponent, gpu: GpuComponent,
-                 router: Router) -> None:
+    def __init__(self, config: Config, probes: ProbesComponent, gpu: GpuComponent) -> None:
         self.config = config
         self.probes = probes
         self.gpu = gpu
@@ -106,9 +104,6 @@ class SnapshotComponent:
         self._built: float | None = None  # when the last tick built a snapshot (monotonic)
         self._drain_error = ""  # why the last drain or undrain could not be kept on disk
         probes.on_read(self._read)
-        router.add("GET", "/v1/snapshot", self._get_snapshot)
-        router.add("POST", "/v1/drain", lambda _: self._set_draining(True))
-        router.add("POST", "/v1/undrain", lambda _: self._set_draining(False))
 
     def subscribe(self, publish: Publish) -> None:
         """Call `publish(snapshot, urgent)` each time the snapshot gets a new version."""
@@ -277,6 +272,12 @@ class SnapshotComponent:
         return self._builder.build(self._host.sample(), gpus, figures, self.draining, listed,
                                    bands, outrun)
 
+    def serve_drain(self, _: Request) -> Response:
+        return self._set_draining(True)
+
+    def serve_undrain(self, _: Request) -> Response:
+        return self._set_draining(False)
+
     def _set_draining(self, draining: bool) -> Response:
         self._draining = draining
         try:
@@ -299,7 +300,7 @@ class SnapshotComponent:
                 names.update(listed)
         return names
 
-    def _get_snapshot(self, _: Request) -> Response:
+    def serve_snapshot(self, _: Request) -> Response:
         snap = self.current
         if snap is None:
             return Response.error(HTTPStatus.SERVICE_UNAVAILABLE, "no snapshot yet")

@@ -68,13 +68,13 @@ def test_services_converge_and_release_their_sockets() -> None:
             services[3].publish(snap("svc-3", 500, score=0.9), urgent=False)
             await wait_for(lambda: all(s.snapshots()["svc-3"].snapshot.version == 500 for s in services))
             rows = services[0].peers()
-            assert rows[0]["node_id"] == "svc-0"
-            assert {r["state"] for r in rows} == {"alive"}
-            assert {r["addr"] for r in rows} == {f"127.0.0.1:{s.address[1]}" for s in services}
+            assert rows[0].node_id == "svc-0"
+            assert {r.state for r in rows} == {PeerState.ALIVE}
+            assert {r.addr for r in rows} == {("127.0.0.1", s.address[1]) for s in services}
             # Nothing new is published for longer than suspect_after: the direct beats
             # alone keep every peer alive.
             await asyncio.sleep(2 * PARAMS.suspect_after_ms / 1000)
-            assert {r["state"] for r in services[0].peers()} == {"alive"}
+            assert {r.state for r in services[0].peers()} == {PeerState.ALIVE}
             counts = services[1].counters()
             assert counts["beats_sent"] > 0
             assert counts["datagrams_sent"] > 0 and counts["bytes_received"] > 0
@@ -203,7 +203,7 @@ def test_discovery_fails_soft(monkeypatch: pytest.MonkeyPatch) -> None:
             assert svc.discovery is not None and "no multicast route" in svc.discovery.reason
             assert not svc.discovery.running
             svc.publish(snap("alone", 1), urgent=False)
-            assert [p["node_id"] for p in svc.peers()] == ["alone"]
+            assert [p.node_id for p in svc.peers()] == ["alone"]
         finally:
             await svc.stop()
 

@@ -3,6 +3,7 @@ start, circuits, answers without a candidate."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadmesh.daemon.routing import Decision, NoCandidate, PeerInput, Router, RoutingConfig
+from loadmesh.daemon.routing import Decision, NoCandidate, PeerInput, Reason, Router, RoutingConfig
 from loadmesh.daemon.routing.p2c import OwnShare
 from loadmesh.daemon.routing.shed import GUESTS, ORPHANS, Seat, passes_on
 from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState
@@ -664,3 +665,8 @@ def test_importing_the_router_loads_no_probe_code() -> None:
             "print(sorted(m for m in sys.modules if m.startswith(('loadmesh.probes', 'pyroute2', 'bcc'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_each_reason_has_its_own_text_and_metric_label() -> None:
+    assert len({r.label for r in Reason}) == len({str(r) for r in Reason}) == len(Reason)
+    assert all(re.fullmatch(r"[a-z][a-z0-9_]*", r.label) for r in Reason)
