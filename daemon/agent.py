@@ -19,9 +19,10 @@ from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 from loadmesh.daemon import logs
-from loadmesh.daemon.api_server import ApiServer, Router
+from loadmesh.daemon.api_server import ApiServer, RouteTable
 from loadmesh.daemon.config import EXIT_CONFIG, Config, open_mesh_refusal
-from loadmesh.daemon.health import Component, State, StartupError
+from loadmesh.daemon.endpoints import endpoints
+from loadmesh.daemon.health import Component, HealthState, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.gossip_component import GossipComponent
 from loadmesh.daemon.gpu_component import GpuComponent
@@ -48,14 +49,13 @@ class Agent:
         """config_path: the file config came from, reread on SIGHUP (None: defaults)."""
         self.config = config
         self.version = software_version()
-        self.router = Router()
-        self.probes = ProbesComponent(config.probes, self.router)
+        self.probes = ProbesComponent(config.probes)
         self.gpu = GpuComponent()
-        self.snapshot = SnapshotComponent(config, self.probes, self.gpu, self.router)
+        self.snapshot = SnapshotComponent(config, self.probes, self.gpu)
         self.gossip = GossipComponent(config.node_id, config.gossip, config.advertise or None,
-                                      self.snapshot, self.router)
+                                      self.snapshot)
         self.routing = RoutingComponent(config.node_id, config.routing, self.gossip,
-                                        self.snapshot, self.router)
+                                        self.snapshot)
         self.reloader = Reloader(config_path, self.probes, self.snapshot, self.gossip, self.routing)
         registry = CollectorRegistry()
         registry.register(AgentCollector(self, config.metrics.model_labels))
@@ -63,14 +63,12 @@ class Agent:
         # The API comes first: claiming its socket is what stops a second agent on the same
         # host before it attaches probes a second time.
         self.components: list[Component] = [
-            ApiServer(config.api.socket, self.router), self.probes, self.gpu, self.snapshot,
-            self.gossip, self.routing, MetricsServer(config.metrics.listen, registry)]
+            ApiServer(config.api.socket, RouteTable(endpoints(self))), self.probes, self.gpu,
+            self.snapshot, self.gossip, self.routing, MetricsServer(config.metrics.listen, registry)]
         self.notifier = Notifier()
         self._started_wall = time.time()
         self._started_mono = time.monotonic()
         self._running = False  # every component started
-        self.router.add("GET", "/healthz", self._healthz)
-        self.router.add("GET", "/v1/status", self._status)
 
     @property
     def node_id(self) -> str:
@@ -170,11 +168,11 @@ class Agent:
     def _components_json(self) -> dict[str, dict[str, str]]:
         return {c.name: c.health().as_json() for c in self.components}
 
-    def _overall(self) -> State:
+    def _overall(self) -> HealthState:
         # "off" is a component this host does not have (no GPU, no interfaces): that is
         # how the host is, not something wrong with the agent.
-        degraded = any(c.health().state is State.DEGRADED for c in self.components)
-        return State.DEGRADED if degraded else State.OK
+        degraded = any(c.health().state is HealthState.DEGRADED for c in self.components)
+        return HealthState.DEGRADED if degraded else HealthState.OK
 
     def _summary(self) -> str:
         return ", ".join(f"{c.name} {c.health()}" for c in self.components)
@@ -182,7 +180,7 @@ class Agent:
     def _state(self) -> str:
         return str(self._overall()) if self._running else "starting"
 
-    def _healthz(self, _: Request) -> Response:
+    def serve_healthz(self, _: Request) -> Response:
         # 200 while the agent serves at all: a degraded agent still routes and gossips, and
         # a supervisor that restarted it for a missing GPU would only make things worse.
         # 503 until every component has started: the API answers first (its socket is
@@ -190,7 +188,7 @@ class Agent:
         return Response.json({"status": self._state(), "components": self._components_json()},
                              HTTPStatus.OK if self._running else HTTPStatus.SERVICE_UNAVAILABLE)
 
-    def _status(self, _: Request) -> Response:
+    def serve_status(self, _: Request) -> Response:
         body: dict[str, Any] = {
             "node_id": self.config.node_id,
             "version": self.version,

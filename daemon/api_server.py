@@ -1,4 +1,5 @@
-"""The local API: HTTP/1.1 with JSON over a Unix socket, keep-alive, one route table.
+"""The local API's server: HTTP/1.1 with JSON over a Unix socket, keep-alive, one route
+table (its endpoints are listed in daemon/endpoints.py).
 
 Handlers are plain functions that read the agent's in-memory state and return a Response;
 they run on the event loop and so must never block (anything slow is computed elsewhere,
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from loadmesh.daemon import logs, unix_socket
@@ -31,15 +33,22 @@ REQUEST_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 256
 
 
-class Router:
-    def __init__(self) -> None:
-        self._routes: dict[str, dict[str, Handler]] = {}
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    answers: str  # what a client gets back, status codes included: the API's reference
 
-    def add(self, method: str, path: str, handler: Handler) -> None:
-        methods = self._routes.setdefault(path, {})
-        if method in methods:
-            raise ValueError(f"route {method} {path} registered twice")
-        methods[method] = handler
+
+class RouteTable:
+    def __init__(self, routes: Iterable[Route]) -> None:
+        self._routes: dict[str, dict[str, Handler]] = {}
+        for route in routes:
+            methods = self._routes.setdefault(route.path, {})
+            if route.method in methods:
+                raise ValueError(f"route {route.method} {route.path} registered twice")
+            methods[route.method] = route.handler
 
     def dispatch(self, request: Request) -> Response | Awaitable[Response]:
         methods = self._routes.get(request.path)
@@ -77,12 +86,11 @@ class ApiServer:
 
     name = "api"
 
-    def __init__(self, path: str, router: Router) -> None:
+    def __init__(self, path: str, routes: RouteTable) -> None:
         self.path = path
-        self.router = router
         self._server: asyncio.AbstractServer | None = None
         self._inode = 0
-        self._connections = Connections(router.dispatch, MAX_CONNECTIONS, IDLE_TIMEOUT_S,
+        self._connections = Connections(routes.dispatch, MAX_CONNECTIONS, IDLE_TIMEOUT_S,
                                         REQUEST_TIMEOUT_S)
 
     async def start(self) -> None:

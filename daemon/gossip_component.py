@@ -11,14 +11,13 @@ import dataclasses
 from collections.abc import Sequence
 
 from loadmesh.daemon import logs
-from loadmesh.daemon.api_server import Router
 from loadmesh.daemon.config import GossipConfig, split_host_port
 from loadmesh.daemon.health import OK, Health, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.snapshot_component import SnapshotComponent
 from loadmesh.gossip.keyring import Keyring, load_keyring
-from loadmesh.gossip.protocol import PeerView, format_addr
-from loadmesh.gossip.transport import GossipService
+from loadmesh.gossip.protocol import PeerView
+from loadmesh.gossip.transport import GossipService, format_addr
 
 log = logs.get("gossip")
 
@@ -27,7 +26,7 @@ class GossipComponent:
     name = "gossip"
 
     def __init__(self, node_id: str, config: GossipConfig, advertise_host: str | None,
-                 snapshot: SnapshotComponent, router: Router) -> None:
+                 snapshot: SnapshotComponent) -> None:
         """advertise_host: the operator's `advertise`, or None to let the service find
         the address peers reach it at."""
         self.node_id = node_id
@@ -35,8 +34,6 @@ class GossipComponent:
         self.snapshot = snapshot
         self._advertise_host = advertise_host
         self.service: GossipService | None = None
-        router.add("GET", "/v1/peers", self._peers)
-        router.add("GET", "/v1/gossip", self._stats)
 
     def _keyring(self) -> Keyring | None:
         if not self.config.key_file:
@@ -91,10 +88,15 @@ class GossipComponent:
         if self.service is not None:
             await self.service.set_seeds(seeds)
 
+    def generation(self) -> int | None:
+        """Moves whenever views() holds something new, beyond the ages growing; None
+        without a running service."""
+        return None if self.service is None else self.service.generation()
+
     def views(self) -> dict[str, PeerView]:
         return {} if self.service is None else self.service.snapshots()
 
-    def _stats(self, _: Request) -> Response:
+    def serve_gossip(self, _: Request) -> Response:
         if self.service is None:
             return Response.json({"address": None, "counters": {}})
         host, port = self.service.address
@@ -102,5 +104,7 @@ class GossipComponent:
                               "table_bytes": self.service.table_bytes(),
                               "counters": self.service.counters()})
 
-    def _peers(self, _: Request) -> Response:
-        return Response.json([] if self.service is None else self.service.peers())
+    def serve_peers(self, _: Request) -> Response:
+        rows = [] if self.service is None else self.service.peers()
+        return Response.json([{"node_id": r.node_id, "state": r.state.value, "version": r.version,
+                               "age_ms": r.age_ms, "addr": format_addr(r.addr)} for r in rows])

@@ -6,7 +6,7 @@ import asyncio
 
 from loadmesh.daemon import logs
 from loadmesh.daemon.collectors.gpu import GpuCollector, GpuInfo, unhealthy
-from loadmesh.daemon.health import Health, State
+from loadmesh.daemon.health import Health, HealthState
 from loadmesh.gossip.snapshot import GpuLoad
 
 log = logs.get("gpu")
@@ -29,7 +29,7 @@ class GpuComponent:
     async def start(self) -> None:
         await asyncio.to_thread(self.collector.start)
         health = self.health()
-        if health.state is State.OK:
+        if health.state is HealthState.OK:
             log.info("%d GPU(s): %s", len(self.collector.devices),
                      ", ".join(d.name for d in self.collector.devices))
         else:
@@ -40,11 +40,11 @@ class GpuComponent:
 
     def health(self) -> Health:
         if self._stuck:
-            return Health(State.DEGRADED, f"an NVML call has not returned within "
+            return Health(HealthState.DEGRADED, f"an NVML call has not returned within "
                           f"{SAMPLE_TIMEOUT_S:g} s (a GPU off the bus?): every GPU reported "
                           f"unhealthy until it does")
         state, reason = self.collector.health
-        return Health(State(state), reason)
+        return Health(HealthState(state), reason)
 
     @property
     def devices(self) -> tuple[GpuInfo, ...]:

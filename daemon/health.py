@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-class State(enum.StrEnum):
+class HealthState(enum.StrEnum):
     OK = "ok"
     DEGRADED = "degraded"  # running, but without something it should have (a reason says what)
     OFF = "off"            # not running at all on this host (a reason says why)
@@ -15,7 +15,7 @@ class State(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Health:
-    state: State
+    state: HealthState
     reason: str = ""
 
     def __str__(self) -> str:
@@ -25,7 +25,7 @@ class Health:
         return {"state": str(self.state), "reason": self.reason}
 
 
-OK = Health(State.OK)
+OK = Health(HealthState.OK)
 
 
 class StartupError(Exception):

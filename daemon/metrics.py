@@ -23,15 +23,14 @@ from prometheus_client.utils import floatToGoString
 
 from loadmesh.daemon.gossip_component import GossipComponent
 from loadmesh.daemon.gpu_component import GpuComponent
-from loadmesh.daemon.health import Component, State
+from loadmesh.daemon.health import Component, HealthState
 from loadmesh.daemon.label_cap import OTHER, LabelCap
 from loadmesh.daemon.probes_component import ProbesComponent
 from loadmesh.daemon.reload import Reloader
 from loadmesh.daemon.routing_component import RoutingComponent
 from loadmesh.daemon.snapshot_component import SnapshotComponent
 from loadmesh.gossip.membership import PeerState
-from loadmesh.gossip.snapshot import LoadSnapshot
-from loadmesh.gossip.snapshot import State as NodeState
+from loadmesh.gossip.snapshot import LoadSnapshot, NodeState
 
 # vLLM's buckets for the same figures (vllm:time_to_first_token_seconds,
 # vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds), so that a server's
@@ -132,7 +131,7 @@ class AgentCollector(Collector):
             labels=["component", "state"])
         for c in a.components:
             current = c.health().state
-            for state in State:
+            for state in HealthState:
                 components.add_metric([c.name, state.value], float(state is current))
         yield components
         yield GaugeMetricFamily("loadmesh_config_last_reload_successful",
@@ -306,8 +305,8 @@ class AgentCollector(Collector):
             table.add_metric([], service.table_bytes())
             by_state = dict.fromkeys((s.value for s in PeerState), 0)
             for peer in service.peers():
-                if peer["node_id"] != self.agent.node_id:
-                    by_state[str(peer["state"])] += 1
+                if peer.node_id != self.agent.node_id:
+                    by_state[peer.state.value] += 1
             for state, n in by_state.items():
                 peers.add_metric([state], n)
             counts = service.counters()

@@ -20,7 +20,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from loadmesh.daemon import logs
 from loadmesh.daemon.config import split_host_port
-from loadmesh.daemon.health import OK, Health, State
+from loadmesh.daemon.health import OK, Health, HealthState
 from loadmesh.daemon.http import MAX_HEAD_BYTES, Request, Response
 from loadmesh.daemon.http_server import Connections
 
@@ -46,18 +46,18 @@ class MetricsServer:
         self._server: asyncio.Server | None = None
         self._connections = Connections(self._answer, MAX_CONNECTIONS, IDLE_TIMEOUT_S,
                                         REQUEST_TIMEOUT_S)
-        self._health = Health(State.OFF, "not started")
+        self._health = Health(HealthState.OFF, "not started")
 
     async def start(self) -> None:
         if not self.listen:
-            self._health = Health(State.OFF, "metrics.listen is empty")
+            self._health = Health(HealthState.OFF, "metrics.listen is empty")
             return
         host, port = split_host_port(self.listen)
         try:
             self._server = await asyncio.start_server(
                 self._connections.handle, host, port, limit=MAX_HEAD_BYTES, reuse_address=True)
         except OSError as exc:
-            self._health = Health(State.DEGRADED,
+            self._health = Health(HealthState.DEGRADED,
                                   f"cannot listen on {self.listen}: {exc.strerror or exc}")
             log.warning("running without the exporter: %s", self._health.reason)
             return

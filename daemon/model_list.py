@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from loadmesh.daemon import logs
 from loadmesh.gossip.snapshot import MAX_MODELS
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 log = logs.get("models")
 

@@ -16,12 +16,11 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from loadmesh.daemon import logs
-from loadmesh.daemon.api_server import Router
 from loadmesh.daemon.config import ProbesConfig
-from loadmesh.daemon.health import OK, Health, State, StartupError
+from loadmesh.daemon.health import OK, Health, HealthState, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.snapshot_builder import ModelFigures
-from loadmesh.probes.model_id import NO_MODEL
+from loadmesh.model_id import NO_MODEL
 
 if TYPE_CHECKING:
     from loadmesh.probes.reader import LatencyCounts
@@ -34,20 +33,19 @@ POLL_S = 0.25
 class ProbesComponent:
     name = "probes"
 
-    def __init__(self, config: ProbesConfig, router: Router) -> None:
+    def __init__(self, config: ProbesConfig) -> None:
         self.config = config
-        self._health = Health(State.OFF, "not started")
+        self._health = Health(HealthState.OFF, "not started")
         self._probes: Any = None
         self._reader: Any = None
         self._poller: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._read_ms: int | None = None
         self._on_read: list[Callable[[], None]] = []
-        router.add("GET", "/v1/fingerprints", self._fingerprints)
 
     async def start(self) -> None:
         if not self.config.interfaces:
-            self._health = Health(State.OFF, "no interfaces configured")
+            self._health = Health(HealthState.OFF, "no interfaces configured")
             log.info("off: no interfaces configured")
             return
         # Imported here so that an agent without bcc still starts, degraded.
@@ -79,7 +77,7 @@ class ProbesComponent:
             # unit would restart into it forever); the operator must change one of them.
             raise StartupError(f"probes are required (probes.required = true): {reason}",
                                config=True)
-        self._health = Health(State.DEGRADED, reason)
+        self._health = Health(HealthState.DEGRADED, reason)
         log.warning("running without probes: %s", reason)
 
     def on_read(self, callback: Callable[[], None]) -> None:
@@ -152,7 +150,7 @@ class ProbesComponent:
             await asyncio.to_thread(self._probes.set_ports, ports)
         self.config = dataclasses.replace(self.config, ports=tuple(ports))
 
-    def _fingerprints(self, _: Request) -> Response | Awaitable[Response]:
+    def serve_fingerprints(self, _: Request) -> Response | Awaitable[Response]:
         if self._reader is None:
             return Response.error(HTTPStatus.SERVICE_UNAVAILABLE,
                                   f"probes are not running: {self._health}")

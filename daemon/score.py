@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 
 from typing import Protocol
 
-from loadmesh.gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
+from loadmesh.gossip.snapshot import GpuLoad, HostLoad, ModelLoad, NodeState
 from loadmesh.settings import check_settings, in_range, section, setting
 
 
@@ -264,13 +264,13 @@ class ScoreSmoother:
         return self._value
 
 
-def state_for(score: float, draining: bool, config: ScoreConfig) -> State:
+def state_for(score: float, draining: bool, config: ScoreConfig) -> NodeState:
     """Watermarks: below degraded_at ok, below overloaded_at degraded, else overloaded;
     an operator's drain overrides them all."""
     if draining:
-        return State.DRAINING
+        return NodeState.DRAINING
     if score >= config.overloaded_at:
-        return State.OVERLOADED
+        return NodeState.OVERLOADED
     if score >= config.degraded_at:
-        return State.DEGRADED
-    return State.OK
+        return NodeState.DEGRADED
+    return NodeState.OK

@@ -17,11 +17,10 @@ from pathlib import Path
 import psutil
 
 from loadmesh.daemon import logs
-from loadmesh.daemon.api_server import Router
 from loadmesh.daemon.collectors.host import HostCollector
 from loadmesh.daemon.config import Config, split_host_port
 from loadmesh.daemon.gpu_component import GpuComponent
-from loadmesh.daemon.health import OK, Health, StartupError, State
+from loadmesh.daemon.health import OK, Health, HealthState, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.model_list import ModelLister
 from loadmesh.daemon.probes_component import POLL_S, ProbesComponent
@@ -70,8 +69,7 @@ def advertise_host(config: Config) -> str:
 class SnapshotComponent:
     name = "snapshot"
 
-    def __init__(self, config: Config, probes: ProbesComponent, gpu: GpuComponent,
-                 router: Router) -> None:
+    def __init__(self, config: Config, probes: ProbesComponent, gpu: GpuComponent) -> None:
         self.config = config
         self.probes = probes
         self.gpu = gpu
@@ -95,9 +93,6 @@ class SnapshotComponent:
         self._built: float | None = None  # when the last tick built a snapshot (monotonic)
         self._drain_error = ""  # why the last drain or undrain could not be kept on disk
         probes.on_read(self._read)
-        router.add("GET", "/v1/snapshot", self._get_snapshot)
-        router.add("POST", "/v1/drain", lambda _: self._set_draining(True))
-        router.add("POST", "/v1/undrain", lambda _: self._set_draining(False))
 
     def subscribe(self, publish: Publish) -> None:
         """Call `publish(snapshot, urgent)` each time the snapshot gets a new version."""
@@ -134,7 +129,7 @@ class SnapshotComponent:
             self._state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
         except OSError as exc:
             # Versions then restart from the clock: still never backwards, just less tidy.
-            self._health = Health(State.DEGRADED,
+            self._health = Health(HealthState.DEGRADED,
                                   f"state directory {self._state_dir}: {exc.strerror}")
             log.warning("%s", self._health.reason)
         try:
@@ -181,10 +176,10 @@ class SnapshotComponent:
     def health(self) -> Health:
         stalled = self.stalled_s
         if stalled:
-            return Health(State.DEGRADED, f"no snapshot built for {stalled:.0f} s: peers "
+            return Health(HealthState.DEGRADED, f"no snapshot built for {stalled:.0f} s: peers "
                                           f"see this node's last one")
         if self._drain_error:
-            return Health(State.DEGRADED, self._drain_error)
+            return Health(HealthState.DEGRADED, self._drain_error)
         return self._health
 
     @property
@@ -266,6 +261,12 @@ class SnapshotComponent:
         return self._builder.build(self._host.sample(), gpus, figures, self.draining, listed,
                                    bands, outrun)
 
+    def serve_drain(self, _: Request) -> Response:
+        return self._set_draining(True)
+
+    def serve_undrain(self, _: Request) -> Response:
+        return self._set_draining(False)
+
     def _set_draining(self, draining: bool) -> Response:
         self._draining = draining
         try:
@@ -288,7 +289,7 @@ class SnapshotComponent:
                 names.update(listed)
         return names
 
-    def _get_snapshot(self, _: Request) -> Response:
+    def serve_snapshot(self, _: Request) -> Response:
         snap = self.current
         if snap is None:
             return Response.error(HTTPStatus.SERVICE_UNAVAILABLE, "no snapshot yet")

@@ -94,6 +94,9 @@ class PeerTable:
         self.anchors_per_source = anchors_per_source
         self.bytes = 0
         self.refused = 0  # contents that did not fit, room made or not
+        # Moves with every change a reader of the table sees (a peer added, forgotten,
+        # made fresh, given a new state or content), so that one can skip an unchanged table.
+        self.changes = 0
         self._on_state = on_state
         self._anchors: Counter[str] = Counter()
         self._anchored = 0
@@ -141,6 +144,7 @@ class PeerTable:
     def touch(self, peer: Peer, now: int) -> None:
         """The peer is alive as of now."""
         peer.fresh_at = now
+        self.changes += 1
         old = peer.state
         del self._by_state[old][peer.key]
         self._by_state[PeerState.ALIVE][peer.key] = None
@@ -242,6 +246,7 @@ class PeerTable:
             peer.prev_version, peer.prev_content = (peer.snapshot.version, prev) if prev else (-1, b"")
             peer.snapshot, peer.content, peer.urgent, peer.delta = snap, content, urgent, delta
             peer.addr = addr
+            self.changes += 1
         # Even old content may come with a beat that is news.
         self.merge_key(peer, snap.version, beat, now, direct)
         return peer if stored else None
@@ -324,5 +329,6 @@ class PeerTable:
         self._notify(peer, peer.state, None, now)
 
     def _notify(self, peer: Peer, old: PeerState | None, new: PeerState | None, now: int) -> None:
+        self.changes += 1
         if self._on_state is not None:
             self._on_state(peer, old, new, now)

@@ -95,9 +95,17 @@ class PeerView:
     age_ms: int
 
 
-def format_addr(addr: Addr) -> str:
-    host, port = addr
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+@dataclass(frozen=True, slots=True)
+class PeerRow:
+    """A node as peers() lists it: the newest version it is known to have published,
+    how long since this node last had news of it (age_ms), and where datagrams to it go.
+    Data, not text: the daemon's API and the CLI format it."""
+
+    node_id: str
+    state: PeerState
+    version: int
+    age_ms: int
+    addr: Addr
 
 
 class GossipCore:
@@ -154,6 +162,7 @@ class GossipCore:
         self._own_prev_version = -1
         self._own_delta: bytes | None = None
         self._own_beat = 0
+        self._own_changes = 0
         self._published_at = 0
         self._own_moved_at = 0
         # Live peers in the order they get direct beats, and the next one's index.
@@ -274,6 +283,7 @@ class GossipCore:
             self._own_prev_version = own.version
             self._own_delta = self.codec.diff(self._own_content, content)
         self._own, self._own_content, self._own_urgent = snapshot, content, urgent
+        self._own_changes += 1
         self._own_beat = 0
         self._published_at = self._own_moved_at = now
         self._announce(self.key, snapshot.version, 0)
@@ -759,17 +769,22 @@ class GossipCore:
     def set_keyring(self, keyring: Keyring | None) -> None:
         self.keyring = keyring
 
-    def peers(self, now_ms: int) -> list[dict[str, object]]:
-        """Every node this one knows, itself first: node_id, state, version, age_ms, addr."""
+    def peers(self, now_ms: int) -> list[PeerRow]:
+        """Every node this one knows, itself first."""
         now = max(now_ms, self._now or now_ms)
-        out: list[dict[str, object]] = []
+        out: list[PeerRow] = []
         if self._own is not None:
-            out.append({"node_id": self.node_id, "state": PeerState.ALIVE.value, "version": self._own.version,
-                        "age_ms": now - self._own_moved_at, "addr": format_addr(self.advertise)})
-        for peer in self.table:
-            out.append({"node_id": peer.node_id, "state": peer.state.value, "version": peer.version,
-                        "age_ms": now - peer.fresh_at, "addr": format_addr(peer.gossip_addr)})
+            out.append(PeerRow(self.node_id, PeerState.ALIVE, self._own.version, now - self._own_moved_at,
+                               self.advertise))
+        out.extend(PeerRow(peer.node_id, peer.state, peer.version, now - peer.fresh_at, peer.gossip_addr)
+                   for peer in self.table)
         return out
+
+    @property
+    def generation(self) -> int:
+        """Moves whenever snapshots() holds something new, beyond the ages growing: a
+        reader that saw this value can skip the table until it moves."""
+        return self.table.changes + self._own_changes
 
     def snapshots(self, now_ms: int) -> dict[str, PeerView]:
         """Every snapshot held, this node's own included (always alive, age 0)."""

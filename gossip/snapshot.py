@@ -70,14 +70,14 @@ class SnapshotError(ValueError):
     """The bytes or values do not make a valid LoadSnapshot."""
 
 
-class State(enum.Enum):
+class NodeState(enum.Enum):
     OK = "ok"
     DEGRADED = "degraded"
     OVERLOADED = "overloaded"
     DRAINING = "draining"
 
 
-_STATE_CODES = {State.OK: 0, State.DEGRADED: 1, State.OVERLOADED: 2, State.DRAINING: 3}
+_STATE_CODES = {NodeState.OK: 0, NodeState.DEGRADED: 1, NodeState.OVERLOADED: 2, NodeState.DRAINING: 3}
 _CODE_STATES = {code: state for state, code in _STATE_CODES.items()}
 
 
@@ -333,7 +333,7 @@ class LoadSnapshot:
     endpoints: tuple[Endpoint, ...]
     version: int
     timestamp_ms: int
-    state: State
+    state: NodeState
     score: float
     host: HostLoad
     gpus: tuple[GpuLoad, ...]
@@ -343,8 +343,8 @@ class LoadSnapshot:
         where = "LoadSnapshot"
         for spec in (_NODE_ID, _VERSION, _TIMESTAMP, _SCORE):
             object.__setattr__(self, spec.name, _check(spec, getattr(self, spec.name), where))
-        if not isinstance(self.state, State):
-            raise SnapshotError(f"{where}.state: expected State, got {type(self.state).__name__}")
+        if not isinstance(self.state, NodeState):
+            raise SnapshotError(f"{where}.state: expected NodeState, got {type(self.state).__name__}")
         if not isinstance(self.host, HostLoad):
             raise SnapshotError(f"{where}.host: expected HostLoad, got {type(self.host).__name__}")
         endpoints = _records(self.endpoints, Endpoint, MAX_ENDPOINTS, "endpoints")

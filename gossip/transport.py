@@ -20,7 +20,7 @@ from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.discovery import Discovery
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import Addr
-from loadmesh.gossip.protocol import GossipCore, Outgoing, PeerView, format_addr
+from loadmesh.gossip.protocol import GossipCore, Outgoing, PeerRow, PeerView
 from loadmesh.gossip.snapshot import LoadSnapshot
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,12 @@ def parse_seed(seed: str) -> Addr:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected host:port, got {seed!r}")
     return host, int(port)
+
+
+def format_addr(addr: Addr) -> str:
+    """parse_seed's inverse: "host:port", or "[v6]:port"."""
+    host, port = addr
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -176,9 +182,13 @@ class GossipService:
         self._send(core.publish(snapshot, urgent, self._now_ms()))
         self._reschedule()
 
-    def peers(self) -> list[dict[str, object]]:
-        """node_id, state (alive, suspect, dead), version, age_ms, addr; this node first."""
+    def peers(self) -> list[PeerRow]:
+        """Every node this one knows, this node first."""
         return self._started().peers(self._now_ms())
+
+    def generation(self) -> int:
+        """Moves whenever snapshots() holds something new (GossipCore.generation)."""
+        return self._started().generation
 
     def snapshots(self) -> dict[str, PeerView]:
         """node_id -> PeerView(snapshot, state, age_ms), this node's own included."""
@@ -345,7 +355,7 @@ class GossipService:
         if core is None or addr == core.advertise:
             return
         # Join only strangers: an address already in the table brings nothing.
-        if any(p["addr"] == format_addr(addr) for p in core.peers(self._now_ms())):
+        if any(p.gossip_addr == addr for p in core.table):
             return
         self._send(core.join([addr], self._now_ms(), remember=False))
         self._reschedule()

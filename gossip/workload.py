@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 
-from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState
 
 TICK_MS = 1000
 STEP = 0.031
@@ -45,7 +45,7 @@ class NodeLoad:
         self.rng = rng
         self.load = rng.uniform(0.1, 0.9)
         self.published = self.load
-        self.state = State.OK
+        self.state = NodeState.OK
         self.version = first_version
 
     def tick(self) -> tuple[bool, bool]:
@@ -61,7 +61,7 @@ class NodeLoad:
         self.published = self.load
         self.version += 1
         if rng.random() < URGENT_RATIO:
-            self.state = State.OVERLOADED if self.state is State.OK else State.OK
+            self.state = NodeState.OVERLOADED if self.state is NodeState.OK else NodeState.OK
             return True, True
         return True, False
 

@@ -2,8 +2,9 @@
 
 ProbeSet compiles and attaches the probes (ProbeUnavailable says why it cannot);
 FingerprintReader turns their maps into per-model figures and the fingerprint report;
-model_id.model_id(name) is the id the probes give a model. This package imports neither
-daemon nor gossip.
+loadmesh.model_id.model_id(name) is the id the probes give a model (outside this package,
+so that routing can name models without importing the loader). This package imports
+neither daemon nor gossip.
 """
 
 from . import buckets

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from loadmesh.model_id import NO_MODEL
+
 from . import abi, buckets
 from .maps import (
     EndpointKey,
@@ -49,7 +51,6 @@ from .maps import (
     YIELD_EVERY,
     format_endpoint,
 )
-from .model_id import NO_MODEL
 
 _NAN = float("nan")
 KINDS = abi.names("LM_HK_", "LM_HK_COUNT")  # ("ttfb", "ttft", "itl", "e2e")

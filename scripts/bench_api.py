@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 from loadmesh.gossip.config import GossipParams
-from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, ModelLoad, State
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, ModelLoad, NodeState
 from loadmesh.gossip.transport import GossipService
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 MODEL = "bench-llama-70b"
 LOADMESH = str(Path(sys.executable).with_name("loadmesh"))
@@ -43,7 +43,7 @@ LOADMESH = str(Path(sys.executable).with_name("loadmesh"))
 def peer_snapshot(node: str, version: int, rng: random.Random) -> LoadSnapshot:
     return LoadSnapshot(
         node_id=node, endpoints=(Endpoint("127.0.0.1", 8000),), version=version,
-        timestamp_ms=time.time_ns() // 1_000_000, state=State.OK, score=round(rng.uniform(0.1, 0.6), 4),
+        timestamp_ms=time.time_ns() // 1_000_000, state=NodeState.OK, score=round(rng.uniform(0.1, 0.6), 4),
         host=HostLoad(0.3, 1000, 2000, 1.0, None), gpus=(),
         models=(ModelLoad(model_id(MODEL), 8000, rng.uniform(5, 50), 0.0, 300.0, 900.0, rng.randint(0, 40)),))
 

@@ -62,7 +62,7 @@ import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get clea
 from loadmesh.daemon.probes_component import POLL_S  # noqa: E402
 from loadmesh.probes import FingerprintReader, MapSizes, ProbeSet, abi, buckets  # noqa: E402
 from loadmesh.probes.maps import MapSnapshot  # noqa: E402
-from loadmesh.probes.model_id import model_id  # noqa: E402
+from loadmesh.model_id import model_id  # noqa: E402
 
 PORT = 8080
 SSE_PORT = 8081  # tests/llm_server.py: streamed answers for the cost per event

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loadmesh.daemon.api_server import ApiServer, Router
+from loadmesh.daemon.api_server import ApiServer, Route, RouteTable
 from loadmesh.daemon.client import AgentUnavailable, ApiError, Client
 from loadmesh.daemon.health import StartupError
 from loadmesh.daemon.http import HttpError, Request, Response
@@ -52,13 +52,12 @@ class ServerThread:
     """An ApiServer on its own event loop in a thread, as the agent runs it."""
 
     def __init__(self, path: str) -> None:
-        router = Router()
-        router.add("GET", "/echo", _echo)
-        router.add("POST", "/echo", _echo)
-        router.add("GET", "/boom", _boom)
-        router.add("GET", "/parts", _parts)
-        router.add("GET", "/slow", _slow)
-        self.server = ApiServer(path, router)
+        self.server = ApiServer(path, RouteTable([
+            Route("GET", "/echo", _echo, "the request"),
+            Route("POST", "/echo", _echo, "the request"),
+            Route("GET", "/boom", _boom, "500"),
+            Route("GET", "/parts", _parts, "a body in parts"),
+            Route("GET", "/slow", _slow, "an answer from a thread")]))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -231,7 +230,7 @@ def test_client_errors(server: ServerThread, run_dir: Path) -> None:
 
 
 def test_second_server_on_a_live_socket_refuses(server: ServerThread) -> None:
-    other = ApiServer(server.server.path, Router())
+    other = ApiServer(server.server.path, RouteTable([]))
     with pytest.raises(StartupError, match="another agent is serving"):
         asyncio.run(other.start())
     with Client(server.server.path) as client:
@@ -252,7 +251,7 @@ def test_stale_socket_is_replaced_and_removed_on_stop(run_dir: Path) -> None:
 def test_a_regular_file_at_the_socket_path_is_never_deleted(run_dir: Path) -> None:
     path = run_dir / "api.sock"
     path.write_text("precious")
-    server = ApiServer(str(path), Router())
+    server = ApiServer(str(path), RouteTable([]))
     with pytest.raises(StartupError, match="not a socket"):
         asyncio.run(server.start())
     assert path.read_text() == "precious"

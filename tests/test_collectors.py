@@ -14,7 +14,7 @@ from loadmesh.daemon import gpu_component
 from loadmesh.daemon.collectors.gpu import GpuCollector, GpuInfo
 from loadmesh.daemon.collectors.host import HostCollector, read_cpu_pressure
 from loadmesh.daemon.gpu_component import GpuComponent
-from loadmesh.daemon.health import State
+from loadmesh.daemon.health import HealthState
 from loadmesh.gossip.snapshot import HostLoad
 
 # --- host --------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def test_a_hung_nvml_call_costs_the_tick_a_bounded_wait_and_marks_every_gpu(
         began = time.monotonic()
         loads = await gpus.sample()
         assert [g.healthy for g in loads] == [False, False]
-        assert gpus.health().state is State.DEGRADED and "NVML" in gpus.health().reason
+        assert gpus.health().state is HealthState.DEGRADED and "NVML" in gpus.health().reason
         # While the call is stuck, the next ticks do not wait for it, nor start another.
         assert [g.healthy for g in await gpus.sample()] == [False, False]
         assert time.monotonic() - began < 1.0
@@ -351,6 +351,6 @@ def test_a_hung_nvml_call_costs_the_tick_a_bounded_wait_and_marks_every_gpu(
             if all(g.healthy for g in await gpus.sample()):
                 break
             await asyncio.sleep(0.02)
-        assert gpus.health().state is State.OK
+        assert gpus.health().state is HealthState.OK
 
     asyncio.run(scenario())

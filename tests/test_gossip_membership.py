@@ -13,7 +13,7 @@ from loadmesh.gossip.membership import PeerState, PeerTable
 from loadmesh.gossip.pulls import PullTracker
 from loadmesh.gossip.ratelimit import SourceLimiter, TokenBucket, source_key
 from loadmesh.gossip.replay import ReplayGuard
-from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState, encode
 from loadmesh.gossip.suspicion import Prober
 from loadmesh.gossip.wire import node_key
 
@@ -22,7 +22,7 @@ ADDR = ("10.0.0.1", 7946)
 
 def snap(node: str, version: int, ts: int = 1000, score: float = 0.5) -> LoadSnapshot:
     return LoadSnapshot(node_id=node, endpoints=(Endpoint("10.0.0.1", 8000),), version=version, timestamp_ms=ts,
-                        state=State.OK, score=score, host=HostLoad(0.1, 1, 2, 0.5, None), gpus=(), models=())
+                        state=NodeState.OK, score=score, host=HostLoad(0.1, 1, 2, 0.5, None), gpus=(), models=())
 
 
 def merge(table: PeerTable, s: LoadSnapshot, beat: int = 0, now: int = 0, anchor: str | None = None) -> object:
@@ -288,3 +288,26 @@ def test_a_seq_is_taken_once_whatever_the_order(seqs: list[int]) -> None:
     assert len(taken) == len(set(taken))
     assert all(not guard.first_time("a", s) for s in taken)
     assert guard.stale(0, 10**9 + 1) and not guard.stale(5, 10**9)
+
+
+def test_changes_move_with_what_a_reader_of_the_table_sees() -> None:
+    table = PeerTable(max_peers=4)
+    timers = (1000, 2000, 5000)
+    before = table.changes
+    merge(table, snap("a", 5), beat=100, now=0)  # a newcomer
+    assert table.changes > before
+    peer = table.get(node_key("a"))
+    steps = [
+        (lambda: table.merge_key(peer, 5, 100, 50), False),              # nothing new
+        (lambda: table.merge_key(peer, 5, 101, 60), False),              # a relayed beat: not fresh
+        (lambda: table.merge_key(peer, 5, 102, 65, direct=True), True),  # a beat from the peer
+        (lambda: merge(table, snap("a", 4), now=70), False),             # older content
+        (lambda: merge(table, snap("a", 6), now=80), True),              # newer content
+        (lambda: table.sweep(1000, *timers), False),                     # no deadline yet
+        (lambda: table.sweep(1080, *timers), True),                      # suspect
+        (lambda: table.sweep(7080, *timers), True),                      # dead, then forgotten
+    ]
+    for i, (step, expected) in enumerate(steps):
+        before = table.changes
+        step()
+        assert (table.changes != before) is expected, i

@@ -17,7 +17,7 @@ from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import Addr, PeerState
 from loadmesh.gossip.protocol import GossipCore, Outgoing
-from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState, encode
 from loadmesh.gossip.wire import Kind
 
 WALL = 1_764_000_000_000
@@ -39,7 +39,7 @@ def forge(to: GossipCore, kind: Kind, sender: int, body: bytes, src: Addr, now: 
                      echo=to.cookies.token(src, now))
 
 
-def snap(node: str, version: int, now: int = 0, state: State = State.OK, score: float = 0.5) -> LoadSnapshot:
+def snap(node: str, version: int, now: int = 0, state: NodeState = NodeState.OK, score: float = 0.5) -> LoadSnapshot:
     return LoadSnapshot(node_id=node, endpoints=(Endpoint("10.9.9.9", 8000),), version=version,
                         timestamp_ms=WALL + now, state=state, score=score,
                         host=HostLoad(score, 1000, 2000, 1.5, None), gpus=(), models=())
@@ -112,7 +112,7 @@ class Mesh:
         out = {}
         for addr, core in self.cores.items():
             if addr not in self.down and core.node_id != node:
-                rows = [p["state"] for p in core.peers(self.now) if p["node_id"] == node]
+                rows = [p.state.value for p in core.peers(self.now) if p.node_id == node]
                 out[core.node_id] = rows[0] if rows else None
         return out
 
@@ -138,7 +138,7 @@ def test_join_through_one_seed_and_converge() -> None:
     mesh, cores = mesh_of(8)
     for core in cores:
         assert set(core.snapshots(mesh.now)) == {c.node_id for c in cores}
-        assert all(p["state"] == "alive" for p in core.peers(mesh.now))
+        assert all(p.state is PeerState.ALIVE for p in core.peers(mesh.now))
     mesh.publish(cores[5], snap("node-5", 200, mesh.now, score=0.9))
     mesh.run(2000)
     assert set(mesh.versions("node-5").values()) == {200}
@@ -159,14 +159,26 @@ def test_new_versions_travel_as_deltas_to_holders_of_the_previous_one() -> None:
     assert late.table.get(cores[1].key).delta is None
 
 
-def test_peers_rows_have_the_fixed_fields_self_first() -> None:
+def test_peers_lists_every_node_self_first() -> None:
     mesh, cores = mesh_of(3)
     rows = cores[0].peers(mesh.now)
-    assert rows[0]["node_id"] == "node-0" and rows[0]["addr"] == "10.0.0.1:7946"
+    assert rows[0].node_id == "node-0" and rows[0].addr == ("10.0.0.1", 7946)
     for row in rows:
-        assert set(row) == {"node_id", "state", "version", "age_ms", "addr"}
-        assert row["state"] == "alive" and 0 <= row["age_ms"] <= FAST.suspect_after_ms
-    assert {r["node_id"]: r["version"] for r in rows} == {"node-0": 100, "node-1": 101, "node-2": 102}
+        assert row.state is PeerState.ALIVE and 0 <= row.age_ms <= FAST.suspect_after_ms
+    assert {r.node_id: r.version for r in rows} == {"node-0": 100, "node-1": 101, "node-2": 102}
+
+
+def test_the_generation_moves_with_the_snapshots_held() -> None:
+    mesh, cores = mesh_of(3)
+    reader = cores[0]
+    seen = reader.generation
+    mesh.publish(reader, snap("node-0", 200, mesh.now))  # its own
+    assert reader.generation != seen
+    seen = reader.generation
+    mesh.publish(cores[1], snap("node-1", 201, mesh.now), urgent=True)  # a peer's, pushed at once
+    mesh.run(100)
+    assert reader.snapshots(mesh.now)["node-1"].snapshot.version == 201
+    assert reader.generation != seen
 
 
 # --- failure detection --------------------------------------------------------------------
@@ -273,7 +285,7 @@ def test_partition_heals_by_itself() -> None:
     mesh.cut = set()
     mesh.run(2 * FAST.dead_sync_interval_ms + 500)
     for core in cores:
-        assert all(p["state"] == "alive" for p in core.peers(mesh.now)), core.node_id
+        assert all(p.state is PeerState.ALIVE for p in core.peers(mesh.now)), core.node_id
 
 
 # --- urgent versions ---------------------------------------------------------------------------
@@ -291,7 +303,7 @@ def test_urgent_version_reaches_everyone_before_any_round() -> None:
             mesh.join(cores[i], *cores[:i])
         mesh.run(20)
     assert all(len(c.table) == 9 for c in cores)
-    mesh.publish(cores[0], snap("node-0", 500, mesh.now, state=State.DRAINING), urgent=True)
+    mesh.publish(cores[0], snap("node-0", 500, mesh.now, state=NodeState.DRAINING), urgent=True)
     mesh.run(30)  # 30 ms, a few hops, no round
     assert set(mesh.versions("node-0").values()) == {500}
     # An ordinary version is pushed to `fanout` peers at once and waits for rounds.
@@ -371,7 +383,7 @@ def _datagrams_of_a_live_mesh() -> list[bytes]:
         original(src, out)
 
     mesh.send = capture  # type: ignore[method-assign]
-    mesh.publish(cores[1], snap("node-1", 900, mesh.now, state=State.OVERLOADED), urgent=True)
+    mesh.publish(cores[1], snap("node-1", 900, mesh.now, state=NodeState.OVERLOADED), urgent=True)
     mesh.publish(cores[2], snap("node-2", 900, mesh.now, score=0.8))
     late = mesh.add("late", keyring=Keyring([KEY_A]))
     mesh.join(late, cores[0])

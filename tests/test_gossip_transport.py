@@ -14,7 +14,7 @@ from loadmesh.gossip import discovery as discovery_module
 from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import PeerState
-from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState
 from loadmesh.gossip.transport import GossipService, parse_seed
 
 KEY = bytes(range(32))
@@ -25,7 +25,7 @@ PARAMS = GossipParams(interval_ms=50, beat_interval_ms=200, suspect_after_ms=150
 
 def snap(node: str, version: int, score: float = 0.5) -> LoadSnapshot:
     return LoadSnapshot(node_id=node, endpoints=(Endpoint("127.0.0.1", 8000),), version=version,
-                        timestamp_ms=time.time_ns() // 1_000_000, state=State.OK, score=score,
+                        timestamp_ms=time.time_ns() // 1_000_000, state=NodeState.OK, score=score,
                         host=HostLoad(score, 1000, 2000, 1.0, None), gpus=(), models=())
 
 
@@ -68,13 +68,13 @@ def test_services_converge_and_release_their_sockets() -> None:
             services[3].publish(snap("svc-3", 500, score=0.9), urgent=False)
             await wait_for(lambda: all(s.snapshots()["svc-3"].snapshot.version == 500 for s in services))
             rows = services[0].peers()
-            assert rows[0]["node_id"] == "svc-0"
-            assert {r["state"] for r in rows} == {"alive"}
-            assert {r["addr"] for r in rows} == {f"127.0.0.1:{s.address[1]}" for s in services}
+            assert rows[0].node_id == "svc-0"
+            assert {r.state for r in rows} == {PeerState.ALIVE}
+            assert {r.addr for r in rows} == {("127.0.0.1", s.address[1]) for s in services}
             # Nothing new is published for longer than suspect_after: the direct beats
             # alone keep every peer alive.
             await asyncio.sleep(2 * PARAMS.suspect_after_ms / 1000)
-            assert {r["state"] for r in services[0].peers()} == {"alive"}
+            assert {r.state for r in services[0].peers()} == {PeerState.ALIVE}
             counts = services[1].counters()
             assert counts["beats_sent"] > 0
             assert counts["datagrams_sent"] > 0 and counts["bytes_received"] > 0
@@ -203,7 +203,7 @@ def test_discovery_fails_soft(monkeypatch: pytest.MonkeyPatch) -> None:
             assert svc.discovery is not None and "no multicast route" in svc.discovery.reason
             assert not svc.discovery.running
             svc.publish(snap("alone", 1), urgent=False)
-            assert [p["node_id"] for p in svc.peers()] == ["alone"]
+            assert [p.node_id for p in svc.peers()] == ["alone"]
         finally:
             await svc.stop()
 

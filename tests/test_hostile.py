@@ -20,7 +20,7 @@ import nettopo
 from conftest import LOADMESH, agent_config
 from gossip_peer import RawPeer
 from loadmesh.gossip import wire
-from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, State, encode
+from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState, encode
 from loadmesh.gossip.wire import Kind
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 
@@ -77,7 +77,7 @@ def test_peers_escapes_node_ids_taken_from_gossip(make_agent, run_dir: Path) -> 
     agent = make_agent(agent_config(sock, gossip=f'bind = "127.0.0.1:{port}"')).start()
     agent.wait_ready(sock)
     forged = LoadSnapshot(node_id=EVIL, endpoints=(Endpoint("127.0.0.1", 8000),), version=1,
-                          timestamp_ms=int(time.time() * 1000), state=State.OK, score=0.5,
+                          timestamp_ms=int(time.time() * 1000), state=NodeState.OK, score=0.5,
                           host=HostLoad(0.5, 1000, 2000, 1.5, None), gpus=(), models=())
     with RawPeer(EVIL) as attacker:
         to = ("127.0.0.1", port)

@@ -21,7 +21,7 @@ from loadmesh.gossip import wire
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import Addr
 from loadmesh.gossip.snapshot import (MAX_GPUS, MAX_MODELS, Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad,
-                             State, encode)
+                             NodeState, encode)
 from loadmesh.gossip.wire import Kind
 from gossip_peer import RawPeer, hostile_asks, routine
 from metrics_helpers import wait_for
@@ -44,7 +44,7 @@ def wall_ms() -> int:
 
 def snapshot(node_id: str, version: int) -> LoadSnapshot:
     return LoadSnapshot(node_id=node_id, endpoints=(Endpoint("127.0.0.1", 8000),), version=version,
-                        timestamp_ms=wall_ms(), state=State.OK, score=0.5,
+                        timestamp_ms=wall_ms(), state=NodeState.OK, score=0.5,
                         host=HostLoad(0.5, 1000, 2000, 1.5, None), gpus=(), models=())
 
 
@@ -227,7 +227,7 @@ def big_snapshot(node_id: str, version: int) -> LoadSnapshot:
     models = tuple(ModelLoad(model_id=(1 << 40) + i, port=8000, rps=12.5 + i, error_ratio=0.01, p50_ms=80.5 + i,
                              p99_ms=900.25 + i, in_flight=7 + i) for i in range(MAX_MODELS))
     return LoadSnapshot(node_id=node_id, endpoints=(Endpoint("127.0.0.1", 8000),), version=version,
-                        timestamp_ms=wall_ms(), state=State.OK, score=0.5,
+                        timestamp_ms=wall_ms(), state=NodeState.OK, score=0.5,
                         host=HostLoad(0.5, 1000, 2000, 1.5, None), gpus=gpus, models=models)
 
 

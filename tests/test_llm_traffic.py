@@ -29,7 +29,7 @@ import nettopo
 from llm_clients import nearest_rank
 from loadmesh.probes import ProbeSet, abi, buckets
 from loadmesh.probes.maps import MapSnapshot
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 pytestmark = pytest.mark.root
 SERVER = [sys.executable, str(Path(__file__).with_name("llm_server.py"))]

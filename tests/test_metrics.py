@@ -24,14 +24,15 @@ import nettopo
 from conftest import agent_config
 from loadmesh.daemon.client import ApiError, Client
 from loadmesh.daemon.collectors.gpu import GpuInfo
-from loadmesh.daemon.health import Health, State
+from loadmesh.daemon.health import Health, HealthState
 from loadmesh.daemon.metrics import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, AgentCollector
-from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad
-from loadmesh.gossip.snapshot import State as NodeState
+from loadmesh.gossip.membership import PeerState
+from loadmesh.gossip.protocol import PeerRow
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState
 from metrics_helpers import free_port, metrics_config, samples, scrape, value, wait_for
 from loadmesh.probes import abi, buckets
 from loadmesh.probes.maps import FlowTable, MapSnapshot
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 from loadmesh.probes.reader import FingerprintReader, nearest_edge_ns
 
 MS = 1_000_000
@@ -131,11 +132,12 @@ def _agent_view() -> SimpleNamespace:
         return [SimpleNamespace(model="llama", endpoint="chat",
                                 cumulative=tuple(range(1, len(edges) + 1)), count=n, sum_s=4.5)]
 
-    peers = [{"node_id": "n1", "state": "alive"}, {"node_id": "n2", "state": "alive"},
-             {"node_id": "n3", "state": "suspect"}]
+    peers = [PeerRow("n1", PeerState.ALIVE, 3, 0, ("10.0.0.1", 7946)),
+             PeerRow("n2", PeerState.ALIVE, 4, 200, ("10.0.0.2", 7946)),
+             PeerRow("n3", PeerState.SUSPECT, 5, 3000, ("10.0.0.3", 7946))]
     counters = {"datagrams_sent": 10, "bytes_sent": 1400, "datagrams_received": 9,
                 "bytes_received": 1300, "drop_bad_tag": 4, "pulls_sent": 2}
-    component = SimpleNamespace(name="probes", health=lambda: Health(State.DEGRADED, "x"))
+    component = SimpleNamespace(name="probes", health=lambda: Health(HealthState.DEGRADED, "x"))
     return SimpleNamespace(
         node_id="n1", version="0.1.0", components=[component],
         probes=SimpleNamespace(summary=lambda: report, latency_counts=latency_counts),

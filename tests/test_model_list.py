@@ -17,7 +17,7 @@ from loadmesh.daemon.model_list import (MAX_NAME, ListingError, ModelLister, _bo
                                parse_models)
 from loadmesh.gossip.snapshot import MAX_MODELS
 from metrics_helpers import free_port
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 from nettopo import stop_process
 
 LLM_SERVER = str(Path(__file__).with_name("llm_server.py"))

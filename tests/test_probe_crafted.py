@@ -13,7 +13,7 @@ import pytest
 import nettopo
 from crafted import CLIENT, SERVER, Connection, frame, test_run
 from loadmesh.probes import ProbeSet, abi
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 PORT = 8080
 CHAT = abi.endpoint_names().index("chat")

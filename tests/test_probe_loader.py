@@ -18,7 +18,7 @@ import pytest
 
 import nettopo
 from loadmesh.probes import MapSizes, ProbeSet, ProbeUnavailable, abi, loader
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 pytestmark = pytest.mark.root
 ROOT = Path(__file__).resolve().parent.parent

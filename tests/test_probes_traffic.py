@@ -26,7 +26,7 @@ import pytest
 import nettopo
 from llm_clients import nearest_rank
 from loadmesh.probes import FingerprintReader, ProbeSet, abi, buckets
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 from loadmesh.probes.maps import MapSnapshot, format_ip
 
 pytestmark = pytest.mark.root
@@ -651,7 +651,7 @@ sys.path.insert(0, {tests!r})
 subprocess.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"], check=True)
 import probe_servers, asyncio
 from loadmesh.probes import ProbeSet
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 threading.Thread(target=lambda: asyncio.run(probe_servers.serve(9000)), daemon=True).start()
 time.sleep(0.5)
 probes = ProbeSet(["lo"], [9000])

@@ -13,7 +13,7 @@ import pytest
 from loadmesh.probes import FingerprintReader, abi, buckets
 from loadmesh.probes.maps import (YIELD_EVERY, FlowKey, FlowTable, InFlight, MapSnapshot, PortStats,
                          RequestStats, ip_bytes)
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 from loadmesh.probes.reader import FAILED_S
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"

@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from loadmesh.daemon.api_server import Router as ApiRouter
-from loadmesh.daemon.routing import Decision, RoutingConfig
+import pytest
+
+from loadmesh.daemon import routing_component
+from loadmesh.daemon.routing import Decision, Reason, RoutingConfig
+from loadmesh.daemon.routing import router as router_module
 from loadmesh.daemon.routing_component import DISCOVERY_MS, RoutingComponent, now_ms
 from loadmesh.gossip.membership import PeerState
 from loadmesh.gossip.protocol import PeerView
@@ -14,11 +17,24 @@ from tests.test_routing_router import MODEL, snapshot
 
 
 class Gossip:
+    """The gossip component's table; its generation moves with each change, as the
+    protocol's does."""
+
     def __init__(self, views: dict[str, PeerView]) -> None:
         self._views = views
+        self._generation = 0
+        self.reads = 0
+
+    def put(self, node_id: str, view: PeerView) -> None:
+        self._views[node_id] = view
+        self._generation += 1
+
+    def generation(self) -> int:
+        return self._generation
 
     def views(self) -> dict[str, PeerView]:
-        return self._views
+        self.reads += 1
+        return dict(self._views)
 
 
 class Snapshot:
@@ -30,10 +46,10 @@ class Snapshot:
         pass
 
 
-def component(views: dict[str, PeerView], confirmed_ms: int) -> RoutingComponent:
+def component(views: dict[str, PeerView], confirmed_ms: int, **config: Any) -> RoutingComponent:
     own = views["n0"].snapshot
-    return RoutingComponent("n0", RoutingConfig(seed=3), Gossip(views),  # type: ignore[arg-type]
-                            Snapshot(own, confirmed_ms), ApiRouter())  # type: ignore[arg-type]
+    return RoutingComponent("n0", RoutingConfig(seed=3, **config), Gossip(views),  # type: ignore[arg-type]
+                            Snapshot(own, confirmed_ms))  # type: ignore[arg-type]
 
 
 def picks(routing: RoutingComponent, n: int) -> Counter[str]:
@@ -50,17 +66,16 @@ def picks(routing: RoutingComponent, n: int) -> Counter[str]:
 def test_peers_found_as_the_gossip_joins_are_not_slow_started() -> None:
     # The table is this node alone at the start; the join's sync brings the peers a
     # moment later. Slow-started, they would weigh a tenth of this node for seconds.
-    views = {"n0": PeerView(snapshot("n0"), PeerState.ALIVE, 0)}
-    routing = component(views, now_ms())
+    routing = component({"n0": PeerView(snapshot("n0"), PeerState.ALIVE, 0)}, now_ms())
     routing._started_ms = now_ms()  # as start() does
     routing._update()
     routing._started_ms -= 1000  # a second later
-    views["n1"] = PeerView(snapshot("n1"), PeerState.ALIVE, 300)
+    routing.gossip.put("n1", PeerView(snapshot("n1"), PeerState.ALIVE, 300))
     routing._update()
     assert picks(routing, 400)["n1"] > 140
     # One that joins once the table has filled is slow-started.
     routing._started_ms -= DISCOVERY_MS
-    views["n2"] = PeerView(snapshot("n2"), PeerState.ALIVE, 300)
+    routing.gossip.put("n2", PeerView(snapshot("n2"), PeerState.ALIVE, 300))
     routing._update()
     assert picks(routing, 400)["n2"] < 40
 
@@ -79,3 +94,68 @@ def test_own_sends_since_the_confirming_read_count_against_this_node() -> None:
         counts[answer.node_id] += 1
         routing._update()
     assert max(counts.values()) <= 26, counts
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The routing component's now_ms, moved by the test."""
+    now = [1_000_000]
+    monkeypatch.setattr(routing_component, "now_ms", lambda: now[0])
+    return now
+
+
+def test_an_unchanged_table_is_neither_read_nor_rebuilt(clock: list[int],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    builds: list[int] = []
+    real_build = router_module.build
+    monkeypatch.setattr(router_module, "build", lambda *a: builds.append(clock[0]) or real_build(*a))
+    routing = component({"n0": PeerView(snapshot("n0"), PeerState.ALIVE, 0),
+                         "n1": PeerView(snapshot("n1"), PeerState.ALIVE, 300)}, clock[0])
+    gossip = routing.gossip
+    routing._update()
+    assert (gossip.reads, len(builds)) == (1, 1)
+    for _ in range(20):
+        clock[0] += 100
+        routing._update()
+    assert (gossip.reads, len(builds)) == (1, 1)
+    # A beat: the figures are vouched for as of now. Read, but the same figures.
+    gossip.put("n1", PeerView(snapshot("n1"), PeerState.ALIVE, 0))
+    routing._update()
+    assert (gossip.reads, len(builds)) == (2, 1)
+    # New figures: one read, one rebuild.
+    gossip.put("n1", PeerView(snapshot("n1", version=2, in_flight=3), PeerState.ALIVE, 0))
+    routing._update()
+    routing._update()
+    assert (gossip.reads, len(builds)) == (3, 2)
+    # This node's own figures confirmed by a later probe read: local state, read again.
+    routing.snapshot.confirmed_ms = clock[0]
+    routing._update()
+    assert gossip.reads == 4
+
+
+def test_a_peer_goes_stale_on_time_while_the_table_stands_still(clock: list[int]) -> None:
+    # This node serves another model: n1 is the only candidate, and its figures were
+    # vouched for 300 ms before the first update.
+    own = snapshot("n0", models=("other-model",))
+    routing = component({"n0": PeerView(own, PeerState.ALIVE, 0),
+                         "n1": PeerView(snapshot("n1"), PeerState.ALIVE, 300)}, clock[0],
+                        freshness_s=1.0)
+    routing._update()
+
+    def reason() -> Reason:
+        answer = routing.router.best(MODEL, None, (), clock[0])
+        assert isinstance(answer, Decision) and answer.node_id == "n1", answer
+        return answer.reason
+
+    assert reason() is Reason.POWER_OF_D
+    clock[0] += 700  # 1000 ms old: fresh still
+    routing._update()
+    assert reason() is Reason.POWER_OF_D
+    clock[0] += 1
+    routing._update()
+    assert reason() is Reason.STALE_VIEW
+    assert routing.gossip.reads == 1
+    # A beat makes it fresh again.
+    routing.gossip.put("n1", PeerView(snapshot("n1"), PeerState.ALIVE, 0))
+    routing._update()
+    assert reason() is Reason.POWER_OF_D

@@ -3,6 +3,9 @@ start, circuits, answers without a candidate."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import replace
 
@@ -10,18 +13,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadmesh.daemon.routing import Decision, NoCandidate, PeerInput, Router, RoutingConfig
+from loadmesh.daemon.routing import Decision, NoCandidate, PeerInput, Reason, Router, RoutingConfig
 from loadmesh.daemon.routing.p2c import OwnShare
 from loadmesh.daemon.routing.shed import GUESTS, ORPHANS, Seat, passes_on
 from loadmesh.daemon.score import ScoreConfig
-from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
-from loadmesh.probes.model_id import model_id
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState
+from loadmesh.model_id import model_id
 
 MODEL = "llama-3-8b"
 NOW = 1_000_000
 
 
-def snapshot(node: str, *, score: float = 0.3, state: State = State.OK, in_flight: int = 0,
+def snapshot(node: str, *, score: float = 0.3, state: NodeState = NodeState.OK, in_flight: int = 0,
              p50_ms: float = 100.0, gpus: int = 1, models: tuple[str, ...] = (MODEL,),
              error_ratio: float = 0.0, rps: float = 10.0, port: int = 8000,
              endpoints: tuple[Endpoint, ...] | None = None, version: int = 1,
@@ -75,7 +78,7 @@ def open_circuit(r: Router, node: str, now: int = NOW) -> None:
 @given(st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()),
                 min_size=1, max_size=12))
 def test_never_picks_dead_draining_open_or_excluded(flags: list[tuple[bool, bool, bool, bool]]) -> None:
-    rows = [row(f"n{i}", alive=alive, state=State.DRAINING if draining else State.OK)
+    rows = [row(f"n{i}", alive=alive, state=NodeState.DRAINING if draining else NodeState.OK)
             for i, (alive, draining, _, _) in enumerate(flags)]
     r = router(rows)
     for i, (_, _, is_open, _) in enumerate(flags):
@@ -102,11 +105,11 @@ def test_equal_peers_split_evenly_when_fewer_than_the_draw() -> None:
 
 def test_overloaded_peers_get_less_traffic_but_are_not_filtered() -> None:
     rows = [row(f"ok{i}", in_flight=4) for i in range(3)] + [row("hot", in_flight=4, score=0.95,
-                                                              state=State.OVERLOADED)]
+                                                              state=NodeState.OVERLOADED)]
     counts = picks(router(rows), 300, complete=False)  # each send raises its peer's load
     assert 0 < counts["hot"] < 0.5 * min(counts[f"ok{i}"] for i in range(3))
     # Idle, it is still the cheapest place for a request: its queue is what its score says.
-    r = router([row("hot", score=0.95, state=State.OVERLOADED), row("busy", score=0.6, in_flight=40)])
+    r = router([row("hot", score=0.95, state=NodeState.OVERLOADED), row("busy", score=0.6, in_flight=40)])
     d = r.best(MODEL, None, (), NOW)
     assert isinstance(d, Decision) and d.node_id == "hot" and d.reason == "power of d choices"
 
@@ -115,7 +118,7 @@ def test_one_peer_below_the_watermark_does_not_take_everything() -> None:
     """The herd of the old overload tier: every host sent everything to the one peer not
     overloaded. Its own sends now raise its cost like anyone's."""
     rows = [row("cool", in_flight=4)] + [row(f"hot{i}", in_flight=4, score=0.95,
-                                              state=State.OVERLOADED) for i in range(4)]
+                                              state=NodeState.OVERLOADED) for i in range(4)]
     counts = picks(router(rows), 200, complete=False)
     assert counts["cool"] < 0.6 * 200
     assert all(counts[f"hot{i}"] > 0 for i in range(4))
@@ -127,7 +130,7 @@ def test_score_at_watermark_counts_as_overloaded_whatever_the_state() -> None:
 
 
 def test_degraded_peers_get_less_traffic() -> None:
-    rows = [row(f"ok{i}") for i in range(3)] + [row("deg", score=0.8, state=State.DEGRADED)]
+    rows = [row(f"ok{i}") for i in range(3)] + [row("deg", score=0.8, state=NodeState.DEGRADED)]
     counts = picks(router(rows), 4000)
     assert counts["deg"] < 0.7 * min(counts[f"ok{i}"] for i in range(3))
 
@@ -582,7 +585,7 @@ def test_feedback_checks_its_input() -> None:
     ([], (), (), "unknown model"),
     ([row("a", models=("other-model",))], (), (), "unknown model"),
     ([row("a", alive=False), row("b", alive=False)], (), (), "all dead"),
-    ([row("a", state=State.DRAINING)], (), (), "all draining"),
+    ([row("a", state=NodeState.DRAINING)], (), (), "all draining"),
     ([row("a", endpoints=())], (), (), "no endpoint"),
     ([row("a"), row("b")], ("a", "b"), (), "all excluded"),
     ([row("a"), row("b")], (), ("a", "b"), "all circuits open"),
@@ -654,3 +657,17 @@ def test_candidates_are_rebuilt_only_when_what_they_are_built_from_changes(monke
     assert len(builds) == before
     r.update(quiet, NOW + 3000 + 10_001)
     assert len(builds) == before + 1
+
+
+def test_importing_the_router_loads_no_probe_code() -> None:
+    # The probes package imports its loader and pyroute2: most of the router's import
+    # time when the model-id hash lived there.
+    code = ("import sys, loadmesh.daemon.routing.router; "
+            "print(sorted(m for m in sys.modules if m.startswith(('loadmesh.probes', 'pyroute2', 'bcc'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_each_reason_has_its_own_text_and_metric_label() -> None:
+    assert len({r.label for r in Reason}) == len({str(r) for r in Reason}) == len(Reason)
+    assert all(re.fullmatch(r"[a-z][a-z0-9_]*", r.label) for r in Reason)

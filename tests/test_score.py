@@ -15,7 +15,7 @@ from loadmesh.daemon.score import (
     instant_score,
     state_for,
 )
-from loadmesh.gossip.snapshot import GpuLoad, HostLoad, ModelLoad, State
+from loadmesh.gossip.snapshot import GpuLoad, HostLoad, ModelLoad, NodeState
 
 CONFIG = ScoreConfig()
 
@@ -99,26 +99,26 @@ def test_everything_saturated_scores_one() -> None:
 @pytest.mark.parametrize(
     "score, state",
     [
-        (0.0, State.OK),
-        (0.6999, State.OK),
-        (0.7, State.DEGRADED),
-        (0.8999, State.DEGRADED),
-        (0.9, State.OVERLOADED),
-        (1.0, State.OVERLOADED),
+        (0.0, NodeState.OK),
+        (0.6999, NodeState.OK),
+        (0.7, NodeState.DEGRADED),
+        (0.8999, NodeState.DEGRADED),
+        (0.9, NodeState.OVERLOADED),
+        (1.0, NodeState.OVERLOADED),
     ],
 )
-def test_watermarks(score: float, state: State) -> None:
+def test_watermarks(score: float, state: NodeState) -> None:
     assert state_for(score, False, CONFIG) is state
 
 
 @pytest.mark.parametrize("score", [0.0, 0.8, 1.0])
 def test_draining_overrides_watermarks(score: float) -> None:
-    assert state_for(score, True, CONFIG) is State.DRAINING
+    assert state_for(score, True, CONFIG) is NodeState.DRAINING
 
 
 def test_watermarks_are_configurable() -> None:
     config = ScoreConfig(degraded_at=0.5, overloaded_at=0.6)
-    assert [state_for(s, False, config) for s in (0.49, 0.5, 0.6)] == [State.OK, State.DEGRADED, State.OVERLOADED]
+    assert [state_for(s, False, config) for s in (0.49, 0.5, 0.6)] == [NodeState.OK, NodeState.DEGRADED, NodeState.OVERLOADED]
 
 
 def test_smoother_takes_first_sample_then_halves_per_half_life() -> None:

@@ -7,8 +7,8 @@ import pytest
 from loadmesh.daemon.score import ScoreConfig, ScoreWeights
 from loadmesh.daemon.snapshot_builder import SnapshotBuilder
 from loadmesh.daemon.versioning import ChangeDetector, VersionClock, VersionStore
-from loadmesh.gossip.snapshot import MAX_MODELS, Endpoint, GpuLoad, HostLoad, ModelLoad, State, decode, encode
-from loadmesh.probes.model_id import model_id
+from loadmesh.gossip.snapshot import MAX_MODELS, Endpoint, GpuLoad, HostLoad, ModelLoad, NodeState, decode, encode
+from loadmesh.model_id import model_id
 
 START_MS = 1_764_500_000_000
 
@@ -145,14 +145,14 @@ def test_urgent_changes(inputs: dict) -> None:
     snap, changed, urgent = b.build(**args)
     assert (changed, urgent) == (True, True)
     if inputs.get("draining"):
-        assert snap.state is State.DRAINING
+        assert snap.state is NodeState.DRAINING
 
 
 def test_score_is_smoothed_and_drives_the_state() -> None:
     clocks = Clocks()
     b = builder(clocks, half_life_s=1.0)
     idle, _, _ = b.build(host(0.0), gpus(0), [])
-    assert idle.state is State.OK and idle.score == 0.0
+    assert idle.state is NodeState.OK and idle.score == 0.0
     clocks.tick(0)
     quiet = Figures(1, waiting=0, running=1, tokens_per_s=50.0, window_tokens=500,
                     mean_in_flight=1.0, e2e_tokens=500, e2e_s=10.0)
@@ -164,10 +164,10 @@ def test_score_is_smoothed_and_drives_the_state() -> None:
     clocks.tick(1000)
     halfway, _, _ = b.build(**hot)
     assert halfway.score == pytest.approx(0.5, abs=1e-4)  # one half-life towards 1.0
-    assert halfway.state is State.OK
+    assert halfway.state is NodeState.OK
     clocks.tick(5000)
     saturated, _, urgent = b.build(**hot)
-    assert saturated.score >= 0.9 and saturated.state is State.OVERLOADED and urgent
+    assert saturated.score >= 0.9 and saturated.state is NodeState.OVERLOADED and urgent
 
 
 def test_version_survives_restart_with_clock_stepped_back(tmp_path: Path) -> None:
@@ -204,7 +204,7 @@ def test_state_follows_the_score_peers_see() -> None:
     weights = ScoreWeights(gpu_util=0, gpu_memory=0, queue=0, errors=0, in_flight=0.019, cpu=1)
     idle_model = Figures(1, rps=0.0, waiting=45)
     snap, _, _ = builder(clocks, weights=weights).build(HostLoad(0.6999, 1, 2, 0.0, None), [], [idle_model])
-    assert (snap.score, snap.state) == (0.7, State.DEGRADED)
+    assert (snap.score, snap.state) == (0.7, NodeState.DEGRADED)
 
 
 def test_models_the_server_lists_are_published_before_their_first_request() -> None:

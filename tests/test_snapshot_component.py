@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from loadmesh.daemon import snapshot_component
-from loadmesh.daemon.api_server import Router
 from loadmesh.daemon.config import Config, LoadConfig
-from loadmesh.daemon.health import State
+from loadmesh.daemon.health import HealthState
 from loadmesh.daemon.snapshot_component import SnapshotComponent
 from loadmesh.daemon.versioning import VersionStore
 
@@ -44,7 +43,7 @@ async def _tick_follows_a_read(tmp_path: Path) -> None:
     config = Config(node_id="n0", advertise="10.0.0.1", state_dir=str(tmp_path),
                     load=LoadConfig(tick_ms=1000, list_models_s=0))
     probes = Probes()
-    component = SnapshotComponent(config, probes, Gpu(), Router())  # type: ignore[arg-type]
+    component = SnapshotComponent(config, probes, Gpu())  # type: ignore[arg-type]
     probes.read()
     await component.start()
     try:
@@ -83,18 +82,18 @@ async def _a_stuck_tick_degrades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     config = Config(node_id="n0", advertise="10.0.0.1", state_dir=str(tmp_path),
                     load=LoadConfig(tick_ms=100, list_models_s=0))
     gpu = StuckGpu()
-    component = SnapshotComponent(config, Probes(), gpu, Router())  # type: ignore[arg-type]
+    component = SnapshotComponent(config, Probes(), gpu)  # type: ignore[arg-type]
     await component.start()
     try:
         await asyncio.sleep(0.3)
-        assert component.stalled_s == 0 and component.health().state is State.OK
+        assert component.stalled_s == 0 and component.health().state is HealthState.OK
         gpu.stuck = True
         deadline = time.monotonic() + 5
         while not component.stalled_s:
             assert time.monotonic() < deadline, "the stuck tick was not noticed"
             await asyncio.sleep(0.05)
         health = component.health()
-        assert health.state is State.DEGRADED and "no snapshot built for" in health.reason
+        assert health.state is HealthState.DEGRADED and "no snapshot built for" in health.reason
     finally:
         await component.stop()
 
@@ -118,7 +117,7 @@ async def _saves_off_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(snapshot_component, "VersionStore", Store)
     config = Config(node_id="n0", advertise="10.0.0.1", state_dir=str(tmp_path),
                     load=LoadConfig(tick_ms=100, list_models_s=0))
-    component = SnapshotComponent(config, Probes(), Gpu(), Router())  # type: ignore[arg-type]
+    component = SnapshotComponent(config, Probes(), Gpu())  # type: ignore[arg-type]
     await component.start()  # the first tick takes the first version: a save
     await component.stop()
     assert Store.saved_on and threading.get_ident() not in Store.saved_on

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from loadmesh.daemon.state_files import BadStateFile
 from loadmesh.daemon.versioning import ChangeDetector, Deadband, Deadbands, VersionClock, VersionStore
-from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, State
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState
 
 NOW = 1_764_500_000_000
 
@@ -142,7 +142,7 @@ def snap(**changes: object) -> LoadSnapshot:
         endpoints=(Endpoint("10.0.0.1", 8000),),
         version=1,
         timestamp_ms=NOW,
-        state=State.OK,
+        state=NodeState.OK,
         score=0.4,
         host=HostLoad(0.3, 1000, 64000, 2.0, 5.0),
         gpus=tuple(GpuLoad(i, 50, 40000, 80000, 60, 300, 700, 0, 1, True) for i in range(2)),
@@ -219,8 +219,8 @@ def test_real_change_is_material_not_urgent(changes: dict) -> None:
 
 
 URGENT = {
-    "state": dict(state=State.DEGRADED),
-    "draining": dict(state=State.DRAINING),
+    "state": dict(state=NodeState.DEGRADED),
+    "draining": dict(state=NodeState.DRAINING),
     "model added": dict(models=(*model(), ModelLoad(8, 8001, 0.0, 0.0, 0.0, 0.0, 0))),
     "model removed": dict(models=()),
     "model moved port": dict(models=model(port=8001)),

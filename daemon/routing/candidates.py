@@ -21,8 +21,8 @@ from loadmesh.daemon.config import RoutingConfig
 from loadmesh.daemon.routing.breaker import Breaker
 from loadmesh.daemon.routing.p2c import WeightedTable
 from loadmesh.daemon.routing.slow_start import ramp
-from loadmesh.gossip.snapshot import LoadSnapshot, ModelLoad, State
-from loadmesh.probes.model_id import model_id
+from loadmesh.gossip.snapshot import LoadSnapshot, ModelLoad, NodeState
+from loadmesh.model_id import model_id
 
 # Per snapshot, the share of a rise of the P50 that the service time estimate takes.
 _SERVICE_RISE = 0.05
@@ -79,7 +79,7 @@ class PeerInput:
     is_self: bool = False
 
 
-class PeerState:
+class PeerRecord:
     """What the router knows of one peer: the latest snapshot's figures and, surviving
     snapshots, its circuit, what it has shown it can run at once, and this node's own
     traffic to it since that snapshot."""
@@ -128,7 +128,7 @@ class PeerState:
         self.alive: bool = row.alive
         self.is_self: bool = row.is_self
         self.in_flight: int = sum(m.in_flight for m in snap.models)
-        self.overloaded: bool = (snap.state is State.OVERLOADED
+        self.overloaded: bool = (snap.state is NodeState.OVERLOADED
                                  or snap.score >= config.score.overloaded_at)
         self.forget_before(self.taken_ms)
 
@@ -184,7 +184,7 @@ class PeerState:
         return 1.0 if self.since_ms is None else ramp(now_ms, self.since_ms, window_ms, floor)
 
 
-def _capacity(peer: PeerState, reference: int, ring: bool = False) -> float:
+def _capacity(peer: PeerRecord, reference: int, ring: bool = False) -> float:
     """How many requests the peer serves at once: its batch where it has queued; where it
     has not, at least the largest batch another candidate has shown (a peer that never
     queued while others did is not the smaller one; taken at what it has run so far, the
@@ -214,7 +214,7 @@ class Candidate:
     __slots__ = ("peer", "endpoint", "service_ms", "paces", "capacity", "weight", "rate",
                  "success", "band")
 
-    def __init__(self, peer: PeerState, endpoint: str, service_ms: float,
+    def __init__(self, peer: PeerRecord, endpoint: str, service_ms: float,
                  paces: tuple[float, float], capacity: float, weight: float,
                  success: float, band: tuple[float, float]) -> None:
         self.peer = peer
@@ -253,7 +253,7 @@ class ModelCandidates:
     table: WeightedTable[Candidate]
     by_node: dict[str, Candidate]
     # Every peer known to serve the model, candidate or not: to say why none is usable.
-    known: list[PeerState]
+    known: list[PeerRecord]
     # The sessions' ring: its points per known peer (ring_points()).
     ring: dict[str, int]
 
@@ -267,7 +267,7 @@ def _serving_entry(loads: Sequence[ModelLoad]) -> ModelLoad:
     return max(loads, key=lambda m: (m.rps, -m.port))
 
 
-def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfig,
+def _candidate(peer: PeerRecord, loads: Sequence[ModelLoad], config: RoutingConfig,
                reference: int, now_ms: int) -> Candidate:
     snap = peer.snapshot
     service = 0.0
@@ -292,7 +292,7 @@ def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfi
         endpoint = _host_port(snap.endpoints[0].host, snap.endpoints[0].port)
     if peer.overloaded:
         health = config.overloaded_weight
-    elif (failing > config.error_ratio_threshold or snap.state is State.DEGRADED
+    elif (failing > config.error_ratio_threshold or snap.state is NodeState.DEGRADED
           or snap.score >= config.score.degraded_at):
         health = config.degraded_weight
     else:
@@ -302,7 +302,7 @@ def _candidate(peer: PeerState, loads: Sequence[ModelLoad], config: RoutingConfi
                      max(_MIN_SUCCESS, 1.0 - failing), band)
 
 
-def pace_expiry(peers: Iterable[PeerState], now_ms: int) -> int:
+def pace_expiry(peers: Iterable[PeerRecord], now_ms: int) -> int:
     """When a pace remembered now is forgotten (_PACE_MEMORY_MS), and build() would
     give a candidate another: the candidates built now hold until then, unless a
     snapshot changes."""
@@ -310,18 +310,19 @@ def pace_expiry(peers: Iterable[PeerState], now_ms: int) -> int:
                 if now_ms - at <= _PACE_MEMORY_MS), default=now_ms + _PACE_MEMORY_MS)
 
 
-def build(peers: Sequence[PeerState], config: RoutingConfig,
+def build(peers: Sequence[PeerRecord], config: RoutingConfig,
           static_ids: Mapping[str, frozenset[int]], now_ms: int) -> dict[int, ModelCandidates]:
     """Per model_id, its candidates and the table to draw them from."""
     loads: dict[int, dict[str, list[ModelLoad]]] = {}
-    known: dict[int, list[PeerState]] = {}
+    known: dict[int, list[PeerRecord]] = {}
     for peer in peers:
         served: dict[int, list[ModelLoad]] = {mid: [] for mid in static_ids.get(peer.node_id, ())}
         for m in peer.snapshot.models:
             served.setdefault(m.model_id, []).append(m)
         for mid, entries in served.items():
             known.setdefault(mid, []).append(peer)
-            if peer.alive and peer.snapshot.state is not State.DRAINING and peer.snapshot.endpoints:
+            if (peer.alive and peer.snapshot.state is not NodeState.DRAINING
+                    and peer.snapshot.endpoints):
                 loads.setdefault(mid, {})[peer.node_id] = entries
     by_id = {p.node_id: p for p in peers}
     out: dict[int, ModelCandidates] = {}
@@ -356,7 +357,7 @@ def build(peers: Sequence[PeerState], config: RoutingConfig,
     return out
 
 
-def ring_points(model_id: int, peers: Sequence[PeerState], reference: int,
+def ring_points(model_id: int, peers: Sequence[PeerRecord], reference: int,
                 vnodes: int) -> dict[str, int]:
     """Each peer's points on the model's sessions' ring: vnodes times what it serves (its
     capacity over its steady pace) over what the largest serves, in steps (_RING_*). So a

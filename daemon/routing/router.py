@@ -2,6 +2,8 @@
 
     update(peers, now_ms)      when the membership table changes: rebuilds the per-model
                                candidate sets (rings only when a model's peer set changes)
+    tick(now_ms)               time passing with the table unchanged: this node's bands
+                               step, and candidates whose remembered pace expires are rebuilt
     best(model, session, exclude, now_ms) -> Decision | NoCandidate
     feedback(node_id, outcome, latency_ms, now_ms)   a client's report on a request
 
@@ -45,17 +47,18 @@ from loadmesh.daemon.routing.candidates import (
     Candidate,
     ModelCandidates,
     PeerInput,
-    PeerState,
+    PeerRecord,
     RoutingConfig,
     build,
     pace_expiry,
     static_model_ids,
 )
 from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
+from loadmesh.daemon.routing.reasons import Reason
 from loadmesh.daemon.routing.ring import HashRing, hash64
 from loadmesh.daemon.routing.shed import Seat, Shedding, passes_on
-from loadmesh.gossip.snapshot import State
-from loadmesh.probes.model_id import model_id
+from loadmesh.gossip.snapshot import NodeState
+from loadmesh.model_id import model_id
 
 Outcome = Literal["ok", "error", "timeout"]
 OUTCOMES: frozenset[str] = frozenset({"ok", "error", "timeout"})
@@ -67,15 +70,17 @@ _SPILL_FLOOR = 0.1
 # Bounds the name -> model_id cache against clients sending arbitrary names.
 _MAX_CACHED_NAMES = 4096
 
+# A peer's cause of being unusable (NoCandidate.counts), and the answer's reason when
+# every peer has that one.
 _ALL = {
-    "dead": "all dead",
-    "draining": "all draining",
-    "no endpoint": "no endpoint",
-    "excluded": "all excluded",
-    "circuit open": "all circuits open",
+    "dead": Reason.ALL_DEAD,
+    "draining": Reason.ALL_DRAINING,
+    "no endpoint": Reason.NO_ENDPOINT,
+    "excluded": Reason.ALL_EXCLUDED,
+    "circuit open": Reason.ALL_CIRCUITS_OPEN,
 }
 _Usable = Callable[[Candidate], bool]
-_TIER_REASONS = ("power of d choices", "stale view: no candidate has a fresh snapshot")
+_TIER_REASONS = (Reason.POWER_OF_D, Reason.STALE_VIEW)
 
 
 @dataclass(frozen=True)
@@ -91,16 +96,16 @@ class Decision:
     endpoint: str            # host:port to send the request to
     score: float             # the peer's score in the snapshot used
     age_ms: int              # how old that snapshot is
-    reason: str
+    reason: Reason
     alternatives: tuple[Alternative, ...]  # next choices, best first, for retries
 
 
 @dataclass(frozen=True)
 class NoCandidate:
     model: str
-    # "unknown model", "all dead", "all draining", "no endpoint", "all excluded",
-    # "all circuits open", or "no usable peer" when causes are mixed (see counts).
-    reason: str
+    # UNKNOWN_MODEL, one of the ALL_* reasons, or NO_USABLE_PEER when causes are mixed
+    # (see counts).
+    reason: Reason
     counts: Mapping[str, int]  # peers serving the model, by why each is unusable
 
 
@@ -134,7 +139,7 @@ class Router:
         # Drawn per request: the d choices, and more when the alternatives need them.
         self._draw = max(c.choices, 1 + c.alternatives)
         self._static_ids = static_model_ids(c)
-        self._peers: dict[str, PeerState] = {}
+        self._peers: dict[str, PeerRecord] = {}
         self._models: dict[int, ModelCandidates] = {}
         # What the candidates were built from, and until when they hold without it
         # changing (a pace remembered expires): a table of hundreds of peers serving many
@@ -153,15 +158,24 @@ class Router:
         for node_id, row in rows.items():
             peer = self._peers.get(node_id)
             if peer is None:
-                self._peers[node_id] = PeerState(row, now_ms, self.config)
+                self._peers[node_id] = PeerRecord(row, now_ms, self.config)
             else:
                 peer.refresh(row, now_ms, self.config)
         inputs = tuple(sorted((r.node_id, r.snapshot.version, r.snapshot.timestamp_ms, r.alive, r.since_ms)
                               for r in peers))
-        if inputs == self._built_from and now_ms < self._rebuild_by:
-            self._shed(now_ms)
-            return
-        self._built_from = inputs
+        if inputs != self._built_from:
+            self._built_from = inputs
+            self._build(now_ms)
+        self.tick(now_ms)
+
+    def tick(self, now_ms: int) -> None:
+        # Freshness needs no rebuild: each request checks it against the time the figures
+        # were vouched for.
+        if now_ms >= self._rebuild_by:
+            self._build(now_ms)
+        self._shed(now_ms)
+
+    def _build(self, now_ms: int) -> None:
         self._rebuild_by = pace_expiry(self._peers.values(), now_ms)
         self._models = build(list(self._peers.values()), self.config, self._static_ids, now_ms)
         self._fleet_rps = sum(m.rps for p in self._peers.values() if p.alive for m in p.snapshot.models)
@@ -171,7 +185,6 @@ class Router:
         # the peers that are not candidates, or not usable for one request, are skipped.
         self._rings = {mid: ring for mid, ring in self._rings.items()
                        if mid in self._models and ring.vnodes == self._models[mid].ring}
-        self._shed(now_ms)
 
     def band(self, model_id: int) -> tuple[float, float]:
         """This node's band of passed-on sessions for the model, (start, width)."""
@@ -181,7 +194,7 @@ class Router:
              now_ms: int) -> Decision | NoCandidate:
         entry = self._models.get(self._model_id(model))
         if entry is None:
-            return NoCandidate(model, "unknown model", {})
+            return NoCandidate(model, Reason.UNKNOWN_MODEL, {})
         excluded = exclude if isinstance(exclude, (set, frozenset)) else frozenset(exclude)
         share = self._share.multiplier(self._fleet_rps, now_ms)
 
@@ -206,11 +219,12 @@ class Router:
             return ramp >= 1.0 or self._rng.random() < ramp
 
         drawn = entry.table.draw(self._rng, self._draw, accept, self._draw * _TRIES_PER_PICK)
-        reason = _TIER_REASONS[0]
+        reason = Reason.POWER_OF_D
         if drawn is None:
-            drawn, reason = self._draw_filtered(entry, excluded, now_ms)
-            if not drawn:
+            filtered = self._draw_filtered(entry, excluded, now_ms)
+            if filtered is None:
                 return self._nothing(model, entry, excluded)
+            drawn, reason = filtered
         return self._decide(order(drawn, self.config.choices, lambda c: self._cost(c, share, now_ms)),
                             reason, now_ms)
 
@@ -269,7 +283,7 @@ class Router:
         self.shedding.forget_except(served)
 
     def _by_session(self, entry: ModelCandidates, session: str,
-                    usable: _Usable) -> tuple[list[Candidate], str] | None:
+                    usable: _Usable) -> tuple[list[Candidate], Reason] | None:
         """The first usable peer along the ring that keeps the session, with the next
         usable ones as alternatives; when every one passes it on, spill()'s; None when
         none is usable. Only what the snapshots publish decides (the peers, their bands
@@ -303,13 +317,13 @@ class Router:
                 return None
             chosen = spill(passed, session)
             rest = [c for c in passed if c is not chosen]
-            return [chosen, *rest[:want]], "session passed on by every peer"
+            return [chosen, *rest[:want]], Reason.SESSION_PASSED_ON
         alternatives += passed[:want - len(alternatives)]
         moved = chosen.peer.node_id != owner
-        return [chosen, *alternatives], "session moved along the ring" if moved else "session"
+        return [chosen, *alternatives], Reason.SESSION_MOVED if moved else Reason.SESSION
 
     def _draw_filtered(self, entry: ModelCandidates, excluded: Collection[str],
-                       now_ms: int) -> tuple[list[Candidate], str]:
+                       now_ms: int) -> tuple[list[Candidate], Reason] | None:
         tiers: tuple[list[Candidate], ...] = ([], [])
         for c in entry.candidates:
             p = c.peer
@@ -320,9 +334,9 @@ class Router:
             if tier:
                 weights = [c.rate * self._ramp(c, now_ms) for c in tier]
                 return draw_exact(self._rng, tier, weights, self._draw), reason
-        return [], ""
+        return None
 
-    def _decide(self, ordered: list[Candidate], reason: str, now_ms: int) -> Decision:
+    def _decide(self, ordered: list[Candidate], reason: Reason, now_ms: int) -> Decision:
         winner = ordered[0]
         peer = winner.peer
         peer.sends.append(now_ms)
@@ -346,7 +360,7 @@ class Router:
         for p in entry.known:
             if not p.alive:
                 counts["dead"] += 1
-            elif p.snapshot.state is State.DRAINING:
+            elif p.snapshot.state is NodeState.DRAINING:
                 counts["draining"] += 1
             elif not p.snapshot.endpoints:
                 counts["no endpoint"] += 1
@@ -354,5 +368,5 @@ class Router:
                 counts["excluded"] += 1
             else:
                 counts["circuit open"] += 1
-        reason = _ALL[next(iter(counts))] if len(counts) == 1 else "no usable peer"
+        reason = _ALL[next(iter(counts))] if len(counts) == 1 else Reason.NO_USABLE_PEER
         return NoCandidate(model, reason, dict(counts))

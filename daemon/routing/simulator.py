@@ -57,7 +57,7 @@ from loadmesh.daemon.score import ScoreConfig
 from loadmesh.daemon.snapshot_builder import SnapshotBuilder
 from loadmesh.daemon.versioning import ChangeDetector, VersionClock
 from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot
-from loadmesh.probes.model_id import model_id
+from loadmesh.model_id import model_id
 
 MODEL = "llama-3.1-70b-instruct"
 POLICIES = ("loadmesh", "round_robin", "random", "least_loaded", "p2c", "jsq_oracle")
