@@ -156,3 +156,13 @@ def test_every_api_endpoint_is_in_the_readme() -> None:
     assert len(routes) >= 10
     documented = set(re.findall(r"`(GET|POST|PUT|DELETE) (/[a-z0-9/]*)", README))
     assert routes == documented
+
+
+def test_every_file_and_test_the_docs_name_exists() -> None:
+    # A path inside the tree, not one on the host (/etc/systemd/system/...).
+    paths = set(re.findall(r"(?<![\w/.])((?:daemon|probes|gossip|scripts|tests|systemd|src|docs)"
+                           r"/[\w./-]*\w)", ALL_DOCS))
+    assert len(paths) >= 20
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []
+    for path, name in re.findall(r"(tests/\w+\.py)::(\w+)", ALL_DOCS):
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{path}::{name}"
