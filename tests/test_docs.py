@@ -1,7 +1,8 @@
 """The docs against the code: every configuration key with its default, every metric family
-with its type and labels, every command and flag, every API endpoint. Each check reads the
-code's own definitions (the schema, a collect() of the exporter, the argument parser, the
-route registrations), so a change to either side that the other does not follow fails here."""
+with its type and labels, every command and flag, every API endpoint, every file and test
+named. Each check reads the code's own definitions (the schema, a collect() of the
+exporter, the argument parser, the route registrations, the tree), so a change to either
+side that the other does not follow fails here."""
 
 from __future__ import annotations
 
@@ -141,9 +142,9 @@ def test_every_command_and_flag_is_in_the_readme() -> None:
         row = next((r for r in rows if all(re.search(rf"\b{w}\b", r) for w in path)), None)
         assert row is not None, f"`loadmesh {' '.join(path)}` is not in the README's table"
         for action in parser._actions:
-            flags = [o for o in action.option_strings if o.startswith("--")]
-            if action.option_strings == ["-h", "--help"]:
+            if isinstance(action, argparse._HelpAction):
                 continue
+            flags = [o for o in action.option_strings if o.startswith("--")]
             if not flags:  # a positional argument: its metavar
                 assert (action.metavar or action.dest) in row, f"{path}: {action.metavar}"
                 continue
