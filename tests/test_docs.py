@@ -167,3 +167,13 @@ def test_every_file_and_test_the_docs_name_exists() -> None:
     assert sorted(p for p in paths if not (ROOT / p).exists()) == []
     for path, name in re.findall(r"(tests/\w+\.py)::(\w+)", ALL_DOCS):
         assert f"def {name}(" in (ROOT / path).read_text(), f"{path}::{name}"
+
+
+def test_every_dotted_key_the_docs_name_is_a_configuration_key() -> None:
+    schema = _schema(Config)
+    keys = {f"{section}.{key}" for section, table in schema.items() if section
+            for key in table} | {section for section in schema if section}
+    named = set(re.findall(r"`((?:probes|gossip|routing|load|api|metrics)\.[a-z_.]*[a-z_])"
+                           r"(?:\.\*)?`", ALL_DOCS))
+    assert len(named) >= 10
+    assert sorted(n for n in named if n not in keys and not n.endswith(".md")) == []
