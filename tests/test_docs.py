@@ -1,8 +1,8 @@
 """The docs against the code: every configuration key with its default, every metric family
-with its type and labels, every command and flag, every API endpoint, every file and test
-named. Each check reads the code's own definitions (the schema, a collect() of the
-exporter, the argument parser, the route registrations, the tree), so a change to either
-side that the other does not follow fails here."""
+with its type and labels, every command and flag, every route decision's reason, every file
+and test named (the API's endpoints: tests/test_endpoints.py). Each check reads the code's
+own definitions (the settings, a collect() of the exporter, the argument parser, the Reason
+enum, the tree), so a change to either side that the other does not follow fails here."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from typing import Any
 from loadmesh.daemon.cli import build_parser
 from loadmesh.daemon.config import Config
 from loadmesh.daemon.metrics import AgentCollector
+from loadmesh.daemon.routing.reasons import Reason
+from loadmesh.settings import settings_of
 from test_metrics import _agent_view
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +34,11 @@ def _cells(line: str) -> list[str]:
 
 
 def _schema(cls: type, section: str = "") -> dict[str, dict[str, Any]]:
-    """Section ("" for the top level, "load.weights") -> key -> default, from the dataclasses."""
+    """Section ("" for the top level, "load.weights") -> key -> default, from the dataclasses'
+    settings (their other fields are tuning set in code, not keys)."""
     out: dict[str, dict[str, Any]] = {section: {}}
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in settings_of(cls):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
         if dataclasses.is_dataclass(hints[f.name]):
             out.update(_schema(hints[f.name], f"{section}.{f.name}" if section else f.name))
@@ -151,12 +154,15 @@ def test_every_command_and_flag_is_in_the_readme() -> None:
             assert flags[0] in row or flags[0] in shared, f"loadmesh {' '.join(path)} {flags[0]}"
 
 
-def test_every_api_endpoint_is_in_the_readme() -> None:
-    source = "".join(p.read_text() for p in (ROOT / "daemon").rglob("*.py"))
-    routes = set(re.findall(r'"(GET|POST|PUT|DELETE)",\s*"(/[^"]*)"', source))
-    assert len(routes) >= 10
-    documented = set(re.findall(r"`(GET|POST|PUT|DELETE) (/[a-z0-9/]*)", README))
-    assert routes == documented
+def test_every_route_decision_reason_is_in_the_operations_table() -> None:
+    row = next(line for line in OPERATIONS.splitlines()
+               if line.startswith("| `loadmesh_route_decisions_total`"))
+    labels = _cells(row)[2]
+    for outcome in ("routed", "no_peer"):
+        assert outcome in labels
+    documented = set(re.findall(r"[a-z_]+", labels.split("`reason`", 1)[1]))
+    assert {r.label for r in Reason} <= documented
+    assert documented - {r.label for r in Reason} <= {"routed", "no_peer"}
 
 
 def test_every_file_and_test_the_docs_name_exists() -> None:
