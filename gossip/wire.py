@@ -2,7 +2,7 @@
 
     offset  size
     0       2    magic "LM"
-    2       1    protocol version (2)
+    2       1    protocol version (3)
     3       1    kind: 1 gossip, 2 sync, 3 pull, 4 content, 5 cookie
     4       1    flags: 0x01 signed (a tag ends the datagram), 0x02 reply wanted (sync)
     5       8    sender: the sender's node key (see node_key), big-endian
@@ -48,7 +48,9 @@ import msgpack
 from loadmesh.gossip.keyring import TAG_BYTES, Keyring
 
 MAGIC = b"LM"
-PROTOCOL_VERSION = 2
+# 3: snapshot format 2 (quantized figures) and deltas as bitmap and differences; agents
+# of protocol 2 read neither, so the two refuse each other's datagrams (bad_version).
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("!2sBBBQQII")
 ENTRY = struct.Struct("!QQI")
 WANT = struct.Struct("!QQ")
