@@ -91,21 +91,26 @@ _STATE_CODES = {NodeState.OK: 0, NodeState.DEGRADED: 1, NodeState.OVERLOADED: 2,
 _CODE_STATES = {code: state for state, code in _STATE_CODES.items()}
 
 
-def _log_code(x: float, digits: int) -> int:
-    """The code of the count nearest x that has at most `digits` significant decimal
-    digits. Counts below 10**digits are their own code; above, each decade holds
-    9 * 10**(digits - 1) codes, one per mantissa, so moving a figure by p % moves its code
-    by about p / 100 times its mantissa, whatever its size, and round figures stay round.
-    x is rounded once, to its digits (rounding it to a count first would round twice)."""
+def _round_digits(x: float, digits: int) -> int:
+    """The count nearest x that has at most `digits` significant decimal digits. x is
+    rounded once, to its digits: rounding it to a whole count first would round twice."""
     top = 10**digits
     if x < top - 0.5:
         return round(x)
-    exponent = len(str(int(x))) - digits
-    unit = 10**exponent
-    mantissa = (x + unit // 2) // unit if isinstance(x, int) else math.floor(x / unit + 0.5)
-    if mantissa == top:
-        exponent, mantissa = exponent + 1, top // 10
-    return top + (exponent - 1) * 9 * (top // 10) + mantissa - top // 10
+    unit = 10 ** (len(str(int(x))) - digits)
+    return ((x + unit // 2) // unit if isinstance(x, int) else math.floor(x / unit + 0.5)) * unit
+
+
+def _log_code(count: int, digits: int) -> int:
+    """The code of a count of at most `digits` significant decimal digits. Counts below
+    10**digits are their own code; above, each decade holds 9 * 10**(digits - 1) codes,
+    one per mantissa, so moving a figure by p % moves its code by about p / 100 times its
+    mantissa, whatever its size, and round figures stay round."""
+    top = 10**digits
+    if count < top:
+        return count
+    exponent = len(str(count)) - digits
+    return top + (exponent - 1) * 9 * (top // 10) + count // 10**exponent - top // 10
 
 
 def _log_count(code: int, digits: int) -> int:
@@ -141,7 +146,7 @@ class _Field:
         """hi's code. Each bound has at most `digits` significant digits or rounds down
         (tested), so no figure within it rounds past it."""
         top = int(self.hi * self.scale)
-        return _log_code(top, self.digits) if self.digits else top
+        return _log_code(_round_digits(top, self.digits), self.digits) if self.digits else top
 
 
 def _is_int(value: object) -> bool:
@@ -187,13 +192,14 @@ def _count(spec: _Field, value: Any) -> int:
     """value, within bounds, as the count of units it is held at."""
     if not spec.digits:
         return round(value * spec.scale)
-    return _log_count(_log_code(value * spec.scale, spec.digits), spec.digits)
+    return _round_digits(value * spec.scale, spec.digits)
 
 
 def _to_wire(spec: _Field, value: Any) -> Any:
     if value is None or spec.kind in ("str", "bool"):
         return value
-    return _log_code(value * spec.scale, spec.digits) if spec.digits else round(value * spec.scale)
+    # value is held quantized: its count has `digits` digits, give or take a float's ulp.
+    return _log_code(_count(spec, value), spec.digits) if spec.digits else round(value * spec.scale)
 
 
 def _from_wire(spec: _Field, value: Any, where: str) -> Any:

@@ -94,10 +94,16 @@ def test_content_records_chunk_to_the_datagram_limit() -> None:
 
 def test_invalid_records_are_counted_one_by_one() -> None:
     good = wire.pack_delta(1, 5, 10, 11, 0, 123, b"\x90")
-    body = msgpack.packb([msgpack.unpackb(good), [1, 0, 5, 11, 10, 0, 0, b""], [7], "x", [0, 0, 0, "", 1, b""]])
+    # A delta names its base by how far back it is: 0 (no move) and past version 0 are refused.
+    body = msgpack.packb([msgpack.unpackb(good), [1, 0, 5, 11, 0, 0, 0, b""], [1, 0, 5, 11, 12, 0, 0, b""],
+                          [7], "x", [0, 0, 0, "", 1, b""]])
     records, bad = wire.unpack_content(body)
     assert records == [wire.DeltaRecord(1, 5, 10, 11, 0, 123, b"\x90")]
-    assert bad == ["malformed"] * 4
+    assert bad == ["malformed"] * 5
+    # A reference delta's record: 1 + 1 + 1 + 9 (key) + 9 (version) + 1 (back) + 3 (beat) +
+    # 5 (crc) + 2 (bin header) bytes around its changes; the base version took nine.
+    version = 1_764_000_000_000
+    assert len(wire.pack_delta(0, 2**63, version - 1, version, 900, 2**31, bytes(49))) == 32 + 49
     assert reason(wire.unpack_content, b"\xc1") == "malformed"
     assert reason(wire.unpack_content, msgpack.packb({"a": 1})) == "malformed"
 
