@@ -153,10 +153,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _count_value(spec: _Field, count: int) -> int | float:
-    return count if spec.kind == "int" else count / spec.scale
-
-
 def _check(spec: _Field, value: object, where: str) -> object:
     """The value as the record holds it (quantized), or SnapshotError."""
     if value is None and spec.optional:
@@ -183,34 +179,34 @@ def _check(spec: _Field, value: object, where: str) -> object:
     # Written so that NaN fails it too.
     if not spec.lo <= value <= spec.hi:  # type: ignore[operator]
         raise SnapshotError(f"{where}.{spec.name}: {value!r} outside {spec.lo}..{spec.hi}")
-    if spec.kind == "fixed" or spec.digits:
-        return _count_value(spec, _count(spec, value))
-    return value
-
-
-def _count(spec: _Field, value: Any) -> int:
-    """value, within bounds, as the count of units it is held at."""
-    if not spec.digits:
-        return round(value * spec.scale)
-    return _round_digits(value * spec.scale, spec.digits)
+    if spec.digits:
+        count = _round_digits(value * spec.scale, spec.digits)  # type: ignore[operator]
+    elif spec.kind == "fixed":
+        count = round(value * spec.scale)  # type: ignore[operator]
+    else:
+        return value
+    return count if spec.kind == "int" else count / spec.scale
 
 
 def _to_wire(spec: _Field, value: Any) -> Any:
-    if value is None or spec.kind in ("str", "bool"):
-        return value
-    # value is held quantized: its count has `digits` digits, give or take a float's ulp.
-    return _log_code(_count(spec, value), spec.digits) if spec.digits else round(value * spec.scale)
+    if spec.digits:
+        # value is held quantized: its count has `digits` digits, give or take a float's ulp.
+        return _log_code(_round_digits(value * spec.scale, spec.digits), spec.digits)
+    if spec.kind == "fixed" and value is not None:
+        return round(value * spec.scale)
+    return value
 
 
 def _from_wire(spec: _Field, value: Any, where: str) -> Any:
-    if value is None or spec.kind in ("str", "bool") or (spec.kind == "int" and not spec.digits):
+    if not (spec.digits or spec.kind == "fixed") or value is None:
         return value
     if not _is_int(value):
         raise SnapshotError(f"{where}.{spec.name}: expected int, got {type(value).__name__}")
     # Checked before expanding: a hostile code of 2**64 would be a number of 10**16 digits.
     if not 0 <= value <= spec.max_code:
         raise SnapshotError(f"{where}.{spec.name}: code {value} outside 0..{spec.max_code}")
-    return _count_value(spec, _log_count(value, spec.digits) if spec.digits else value)
+    count = _log_count(value, spec.digits) if spec.digits else value
+    return count if spec.kind == "int" else count / spec.scale
 
 
 class _Record:
