@@ -149,7 +149,7 @@ class AgentCollector(Collector):
         cpu = GaugeMetricFamily("loadmesh_host_cpu_utilization_ratio",
                                 "Host CPU busy share, 0..1, as published.")
         mem_used = GaugeMetricFamily("loadmesh_host_memory_used_bytes",
-                                     "Host memory in use, as published (MiB resolution).")
+                                     "Host memory in use, as published (3 significant digits of MiB).")
         mem_total = GaugeMetricFamily("loadmesh_host_memory_total_bytes", "Host memory.")
         load1 = GaugeMetricFamily("loadmesh_host_load1", "Host 1-minute load average.")
         pressure = GaugeMetricFamily("loadmesh_host_cpu_pressure_ratio", "CPU pressure (PSI "
@@ -176,7 +176,7 @@ class AgentCollector(Collector):
         util = GaugeMetricFamily("loadmesh_gpu_utilization_ratio", "Share of the last sample "
                                  "period a kernel ran on the GPU, 0..1.", labels=ids)
         used = GaugeMetricFamily("loadmesh_gpu_memory_used_bytes", "GPU memory in use "
-                                 "(MiB resolution).", labels=ids)
+                                 "(3 significant digits of MiB).", labels=ids)
         total = GaugeMetricFamily("loadmesh_gpu_memory_total_bytes", "GPU memory.", labels=ids)
         temp = GaugeMetricFamily("loadmesh_gpu_temperature_celsius", "GPU core temperature.",
                                  labels=ids)

@@ -66,7 +66,7 @@ class GossipParams:
     # way when the table is full). Bytes are of snapshot encodings, each peer's and the
     # one before it; decoded, a snapshot takes up to ~20x its encoding in memory, so the
     # default holds the table under ~100 MB whatever peers send (a 4-GPU, 2-model snapshot
-    # is ~230 bytes; 16 GPUs and 64 models ~2-8 KB).
+    # is ~220 bytes; 16 GPUs and 64 models ~2-8 KB).
     max_peers: int = setting(4096, between(1, 1_000_000), "bound of the peer table")
     max_table_bytes: int = setting(2 << 20, between(64 << 10, 1 << 30),
                                    "bound of the peers' snapshot encodings held")

@@ -1,17 +1,30 @@
 """Deltas between two encodings of one node's snapshot.
 
 A new version of a snapshot usually moves a few dozen figures and keeps its shape (the
-same GPUs, models and endpoints). A delta lists only the leaves that changed, so a peer
-holding the previous version receives ~half the bytes of the full snapshot.
+same GPUs, models and endpoints). A delta carries only the leaves that changed, so a peer
+holding the previous version receives a fraction of the full snapshot's bytes.
 
 The delta works on the msgpack structure, not on LoadSnapshot's fields: both encodings
 are walked depth first into a shape (maps with their keys, arrays with their lengths)
-and a list of leaves. When the shapes are equal the delta is the msgpack array
-[index, value, index, value, ...] of the leaves that differ, indices increasing. Applying
-it rebuilds the structure and re-encodes it; msgpack encodes each value in its shortest
-form, so the result is byte for byte the owner's encoding, which the CRC32 carried with
-the delta confirms. A shape change (a GPU or model added) makes no delta: the full
-snapshot travels.
+and a list of leaves. When the shapes are equal the delta is
+
+    bitmap   ceil(leaves / 8) bytes; bit i (byte i // 8, least significant bit first)
+             set when leaf i changed; the bits past the last leaf are 0
+    values   one msgpack object per set bit, in leaf order, back to back: when the old
+             and the new leaf are both integers, the new one less the old one; otherwise
+             the new leaf in a one-element array
+
+Both halves are sized for what a version moves: every leaf of a snapshot is an integer
+(snapshot.py quantizes each figure to a small integer code), a version changes a third of
+them by a few codes, so a change costs its bit and about one byte, where an index and an
+absolute value cost two to nine (the version and the timestamp move by 1 and by a few
+thousand, and take nine bytes each written out). The receiver knows the number of leaves
+from its base, so the bitmap needs no length.
+
+Applying a delta rebuilds the structure and re-encodes it; msgpack encodes each value in
+its shortest form, so the result is byte for byte the owner's encoding, which the CRC32
+carried with the delta confirms. A shape change (a GPU or model added) makes no delta:
+the full snapshot travels.
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ import msgpack
 
 Shape = Any  # None for a leaf, ("m", keys, children) or ("a", children)
 Flat = tuple[Shape, tuple[Any, ...]]
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
 
 
 class DeltaError(ValueError):
@@ -46,6 +61,10 @@ def _build(shape: Shape, leaves: Any) -> Any:
     return [_build(s, leaves) for s in shape[1]]
 
 
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
 def flatten(data: bytes) -> Flat:
     """The shape and leaves of an encoding; DeltaError when it is not msgpack."""
     try:
@@ -60,33 +79,51 @@ def diff(base: Flat, new: Flat) -> bytes | None:
     """The changes that turn base into new, or None when their shapes differ."""
     if base[0] != new[0]:
         return None
-    changes: list[Any] = []
+    bitmap = bytearray((len(base[1]) + 7) // 8)
+    packer = msgpack.Packer(use_bin_type=True)
+    values: list[bytes] = []
     for i, (a, b) in enumerate(zip(base[1], new[1])):
         # 1 == 1.0 == True in Python, but not on the wire.
-        if type(a) is not type(b) or a != b:
-            changes += (i, b)
-    return msgpack.packb(changes, use_bin_type=True)
+        if type(a) is type(b) and a == b:
+            continue
+        bitmap[i >> 3] |= 1 << (i & 7)
+        values.append(packer.pack(b - a if _is_int(a) and _is_int(b) else [b]))
+    return bytes(bitmap) + b"".join(values)
+
+
+def _changed(bitmap: bytes, leaves: int) -> list[int]:
+    changed = [i for i in range(leaves) if bitmap[i >> 3] >> (i & 7) & 1]
+    if leaves % 8 and bitmap[-1] >> (leaves % 8):
+        raise DeltaError("bitmap marks leaves past the last one")
+    return changed
 
 
 def apply(base: Flat, changes: bytes, crc: int) -> bytes:
     """The encoding that `changes` makes of `base`, checked against `crc`."""
-    try:
-        raw = msgpack.unpackb(changes, raw=False)
-    except (ValueError, TypeError) as e:
-        raise DeltaError(f"changes are not msgpack: {e}") from None
-    if not isinstance(raw, list) or len(raw) % 2:
-        raise DeltaError("changes are not [index, value] pairs")
     leaves = list(base[1])
-    last = -1
-    for i in range(0, len(raw), 2):
-        index, value = raw[i], raw[i + 1]
-        if type(index) is not int or not last < index < len(leaves):
-            raise DeltaError(f"index {index!r} out of order or range")
-        if isinstance(value, (list, dict)):
-            raise DeltaError("a change must be a single value")
-        leaves[index] = value
-        last = index
-    result = msgpack.packb(_build(base[0], iter(leaves)), use_bin_type=True)
+    size = (len(leaves) + 7) // 8
+    if len(changes) < size:
+        raise DeltaError(f"{len(changes)} bytes, the bitmap alone takes {size}")
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(changes), 1))
+    unpacker.feed(changes[size:])
+    try:
+        for i in _changed(changes[:size], len(leaves)):
+            value = unpacker.unpack()
+            if _is_int(value):
+                if not _is_int(leaves[i]):
+                    raise DeltaError(f"leaf {i}: a difference for a leaf that is not an integer")
+                leaves[i] += value
+            elif isinstance(value, list) and len(value) == 1 and isinstance(value[0], _SCALARS):
+                leaves[i] = value[0]
+            else:
+                raise DeltaError(f"leaf {i}: neither a difference nor a one-element array")
+        if unpacker.tell() != len(changes) - size:
+            raise DeltaError("bytes left after the last change")
+        result: bytes = msgpack.packb(_build(base[0], iter(leaves)), use_bin_type=True)
+    except DeltaError:
+        raise
+    except (msgpack.UnpackException, ValueError, OverflowError) as e:
+        raise DeltaError(f"changes are malformed: {e}") from None
     if zlib.crc32(result) != crc:
         raise DeltaError("result does not match the owner's CRC")
     return result

@@ -40,10 +40,9 @@ from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import Peer, PeerState
 from loadmesh.gossip.protocol import GossipCore, Outgoing, node_key
 from loadmesh.gossip.snapshot import encode
-from loadmesh.gossip.workload import TICK_MS, NodeLoad
+from loadmesh.gossip.workload import TICK_MS, WALL_EPOCH_MS, NodeLoad
 
 _START, _TICK, _DELIVER, _LOAD, _KILL = range(5)
-_WALL_EPOCH_MS = 1_764_000_000_000
 _SEEDS = 3
 _START_SPREAD_MS = 1000
 _COOLDOWN_MS = 5000
@@ -152,11 +151,11 @@ class _Simulation:
         keyring = Keyring([_KEY]) if keyed else None
         self.cores = [
             GossipCore(self.ids[i], self.addrs[i], params, keyring, rng=random.Random(self.rng.getrandbits(64)),
-                       codec=codec, observer=_Observer(self, i), wall_offset_ms=_WALL_EPOCH_MS)
+                       codec=codec, observer=_Observer(self, i), wall_offset_ms=WALL_EPOCH_MS)
             for i in range(nodes)
         ]
         self.loads = [NodeLoad(self.ids[i], self.addrs[i][0], random.Random(self.rng.getrandbits(64)),
-                               _WALL_EPOCH_MS + i) for i in range(nodes)]
+                               WALL_EPOCH_MS + i) for i in range(nodes)]
         self.kill_at = self.warmup + (self.end - self.warmup) / 3
         self.measure_until = self.end - _COOLDOWN_MS
 
@@ -196,7 +195,7 @@ class _Simulation:
     def publish(self, i: int, urgent: bool) -> None:
         load = self.loads[i]
         now_ms = int(self.now)
-        snap = load.snapshot(_WALL_EPOCH_MS + now_ms)
+        snap = load.snapshot(WALL_EPOCH_MS + now_ms)
         if self.warmup <= self.now <= self.measure_until and not self.dead[i]:
             m = self.metrics
             tracked = m.versions.setdefault(i, [])
@@ -328,7 +327,7 @@ class _Simulation:
             "urgent_versions": len(urgent_times),
             "unconverged": unconverged,
             "versions_per_node_per_s": _round(versions / ((self.n - self.kill) * max(window_s - _COOLDOWN_MS / 1000, 1e-9)), 3),
-            "snapshot_bytes": len(encode(self.loads[0].snapshot(_WALL_EPOCH_MS))),
+            "snapshot_bytes": len(encode(self.loads[0].snapshot(WALL_EPOCH_MS))),
         }
 
 

@@ -2,28 +2,32 @@
 
 A snapshot is written by exactly one node (its owner) and replaces a peer's stored copy
 when its (version, timestamp_ms) is greater. The dataclasses hold every figure at the
-resolution the wire carries, so a node routes on exactly what its peers see and
-``decode(encode(s)) == s`` holds for every valid snapshot.
+resolution the wire carries (quantized when a record is built), so a node routes on
+exactly what its peers see and ``decode(encode(s)) == s`` holds for every valid snapshot.
 
-Wire format (msgpack, format version 1)
+Wire format (msgpack, format version 2)
 ---------------------------------------
 The top level is a map with one-letter keys::
 
-    "f": format version (int, 1)
+    "f": format version (int, 2)
     "n": node_id (str, 1..128 bytes of UTF-8)
     "e": endpoints, [[host, port], ...]
     "v": version (uint, < 2**63)
     "t": timestamp, ms since the Unix epoch (uint, < 2**63)
     "s": state: 0 ok, 1 degraded, 2 overloaded, 3 draining
-    "l": load score in 1/10000 (0..10000)
-    "h": host,   [cpu_util 1/10000, mem_used MiB, mem_total MiB, load1 1/100,
-                  cpu_pressure 1/100 % or nil]
-    "g": GPUs,   [[index, util %, mem_used MiB, mem_total MiB, temp C, power W,
-                   power_limit W, throttle reasons bitmask, processes, healthy bool], ...]
-    "m": models, [[model_id u64, port, rps 1/100, error_ratio 1/10000, p50 0.1 ms,
-                   p99 0.1 ms, in_flight, waiting, running, ttft_p99 0.1 ms, itl_p99 0.1 ms,
-                   tokens/s 1/10, pace 0.1 ms], ...]  (from waiting on since agents that
-                   see LLM traffic, pace later still; a record without them reads as zeros)
+    "l": load score in 1/1000 (0..1000)
+    "h": host,   [cpu_util %, mem_used MiB*, mem_total MiB*, load1 0.1*, cpu_pressure % or nil]
+    "g": GPUs,   [[index, util %, mem_used MiB*, mem_total MiB*, temp C, power W*,
+                   power_limit W*, throttle reasons bitmask, processes, healthy bool], ...]
+    "m": models, [[model_id u64, port, rps 1/100*, error_ratio 1/10000, p50 0.1 ms*,
+                   p99 0.1 ms*, in_flight*, waiting*, running*, ttft_p99 0.1 ms*,
+                   itl_p99 0.1 ms*, tokens/s 0.1*, pace 0.1 ms*, shed_start 1/10000,
+                   shed_width 1/10000], ...]
+
+A figure marked * is held to DIGITS (3) significant decimal digits and sent as its log
+code (_log_code): the count of units itself below 1000, one code per mantissa above, so
+that a figure moving by a few percent moves its code by a few units and a delta carries
+it in one byte (gossip/delta.py). docs/snapshot.md says why each figure has its precision.
 
 Records are positional arrays rather than maps: with keys, 8 GPUs and 4 models do not fit
 the 512-byte budget. Compatibility rules, so that agents of different releases interoperate:
@@ -31,7 +35,9 @@ the 512-byte budget. Compatibility rules, so that agents of different releases i
 - A reader ignores top-level keys it does not know and elements past the ones it knows at
   the end of any record; a newer writer adds fields only that way, under the same "f".
 - A change an older reader cannot skip (a field removed, re-typed or re-scaled) takes a new
-  "f"; a reader refuses a format version it does not support.
+  "f" and a new gossip protocol version (gossip/wire.py), so that agents of the two formats
+  refuse each other's datagrams whole instead of misreading figures. Format 2 (the
+  quantized figures) came with protocol 3; a reader refuses a format it does not support.
 
 GPU identity (UUID, name) stays on the host: peers route on figures, and eight UUIDs alone
 would take 144 of the 512 bytes.
@@ -40,14 +46,18 @@ would take 144 of the 512 bytes.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import msgpack
 
-FORMAT_VERSION = 1
-SUPPORTED_FORMATS = frozenset({1})
+FORMAT_VERSION = 2
+SUPPORTED_FORMATS = frozenset({2})
+# The significant decimal digits that log-scale figures keep (docs/snapshot.md, "Precision").
+DIGITS = 3
 
 MAX_GPUS = 16
 MAX_MODELS = 64
@@ -81,13 +91,46 @@ _STATE_CODES = {NodeState.OK: 0, NodeState.DEGRADED: 1, NodeState.OVERLOADED: 2,
 _CODE_STATES = {code: state for state, code in _STATE_CODES.items()}
 
 
+def _round_digits(x: float, digits: int) -> int:
+    """The count nearest x that has at most `digits` significant decimal digits. x is
+    rounded once, to its digits: rounding it to a whole count first would round twice."""
+    top = 10**digits
+    if x < top - 0.5:
+        return round(x)
+    unit = 10 ** (len(str(int(x))) - digits)
+    return ((x + unit // 2) // unit if isinstance(x, int) else math.floor(x / unit + 0.5)) * unit
+
+
+def _log_code(count: int, digits: int) -> int:
+    """The code of a count of at most `digits` significant decimal digits. Counts below
+    10**digits are their own code; above, each decade holds 9 * 10**(digits - 1) codes,
+    one per mantissa, so moving a figure by p % moves its code by about p / 100 times its
+    mantissa, whatever its size, and round figures stay round."""
+    top = 10**digits
+    if count < top:
+        return count
+    exponent = len(str(count)) - digits
+    return top + (exponent - 1) * 9 * (top // 10) + count // 10**exponent - top // 10
+
+
+def _log_count(code: int, digits: int) -> int:
+    top = 10**digits
+    if code < top:
+        return code
+    per_decade = 9 * (top // 10)
+    exponent, mantissa = divmod(code - top, per_decade)
+    return (mantissa + top // 10) * 10 ** (exponent + 1)
+
+
 @dataclass(frozen=True)
 class _Field:
-    """How one record field is checked and put on the wire.
+    """How one record field is checked, quantized and put on the wire.
 
-    kind "int": an integer in [lo, hi]. kind "fixed": a number in [lo, hi] held at
-    1/scale resolution and sent as the integer count of 1/scale. kind "str": UTF-8 of
-    lo..hi bytes. kind "bool": a bool.
+    kind "int": an integer in [lo, hi]; kind "fixed": a number in [lo, hi], both counted
+    in units of 1/scale ("int" has scale 1). With digits 0 the wire carries the count;
+    otherwise the count's log-scale code (_log_code), the count rounded to that many
+    significant digits. kind "str": UTF-8 of lo..hi bytes. kind "bool": a bool. A field
+    holds its value as decoded from the wire, never finer.
     """
 
     name: str
@@ -95,10 +138,15 @@ class _Field:
     hi: float = 0
     lo: float = 0
     scale: int = 1
+    digits: int = 0
     optional: bool = False
-    # An appended field: a record from an older writer may end before it, and then reads
-    # as this value.
-    missing: object = None
+
+    @functools.cached_property
+    def max_code(self) -> int:
+        """hi's code. Each bound has at most `digits` significant digits or rounds down
+        (tested), so no figure within it rounds past it."""
+        top = int(self.hi * self.scale)
+        return _log_code(_round_digits(top, self.digits), self.digits) if self.digits else top
 
 
 def _is_int(value: object) -> bool:
@@ -106,7 +154,7 @@ def _is_int(value: object) -> bool:
 
 
 def _check(spec: _Field, value: object, where: str) -> object:
-    """The value as the record holds it, or SnapshotError."""
+    """The value as the record holds it (quantized), or SnapshotError."""
     if value is None and spec.optional:
         return None
     if spec.kind == "bool":
@@ -131,23 +179,34 @@ def _check(spec: _Field, value: object, where: str) -> object:
     # Written so that NaN fails it too.
     if not spec.lo <= value <= spec.hi:  # type: ignore[operator]
         raise SnapshotError(f"{where}.{spec.name}: {value!r} outside {spec.lo}..{spec.hi}")
-    if spec.kind == "fixed":
-        return round(value * spec.scale) / spec.scale  # type: ignore[operator]
-    return value
+    if spec.digits:
+        count = _round_digits(value * spec.scale, spec.digits)  # type: ignore[operator]
+    elif spec.kind == "fixed":
+        count = round(value * spec.scale)  # type: ignore[operator]
+    else:
+        return value
+    return count if spec.kind == "int" else count / spec.scale
 
 
 def _to_wire(spec: _Field, value: Any) -> Any:
+    if spec.digits:
+        # value is held quantized: its count has `digits` digits, give or take a float's ulp.
+        return _log_code(_round_digits(value * spec.scale, spec.digits), spec.digits)
     if spec.kind == "fixed" and value is not None:
         return round(value * spec.scale)
     return value
 
 
 def _from_wire(spec: _Field, value: Any, where: str) -> Any:
-    if spec.kind != "fixed" or value is None:
+    if not (spec.digits or spec.kind == "fixed") or value is None:
         return value
     if not _is_int(value):
         raise SnapshotError(f"{where}.{spec.name}: expected int, got {type(value).__name__}")
-    return value / spec.scale
+    # Checked before expanding: a hostile code of 2**64 would be a number of 10**16 digits.
+    if not 0 <= value <= spec.max_code:
+        raise SnapshotError(f"{where}.{spec.name}: code {value} outside 0..{spec.max_code}")
+    count = _log_count(value, spec.digits) if spec.digits else value
+    return count if spec.kind == "int" else count / spec.scale
 
 
 class _Record:
@@ -168,15 +227,10 @@ class _Record:
         where = cls.__name__
         if not isinstance(raw, list):
             raise SnapshotError(f"{where}: expected array, got {type(raw).__name__}")
-        need = sum(1 for s in cls._FIELDS if s.missing is None)
-        if len(raw) < need:
-            raise SnapshotError(f"{where}: {len(raw)} elements, need {need}")
-        # Elements past the known ones come from a newer writer: skipped, by design; the
-        # appended ones an older writer did not send take their `missing` value.
-        values = {s.name: _from_wire(s, v, where) for s, v in zip(cls._FIELDS, raw, strict=False)}
-        for s in cls._FIELDS[len(raw):]:
-            values[s.name] = s.missing
-        return cls(**values)
+        if len(raw) < len(cls._FIELDS):
+            raise SnapshotError(f"{where}: {len(raw)} elements, need {len(cls._FIELDS)}")
+        # Elements past the known ones come from a newer writer: skipped, by design.
+        return cls(**{s.name: _from_wire(s, v, where) for s, v in zip(cls._FIELDS, raw, strict=False)})
 
 
 @dataclass(frozen=True)
@@ -203,11 +257,11 @@ class HostLoad(_Record):
     cpu_pressure_pct: float | None
 
     _FIELDS = (
-        _Field("cpu_util", "fixed", hi=1, scale=10_000),
-        _Field("mem_used_mib", "int", hi=MAX_MIB),
-        _Field("mem_total_mib", "int", hi=MAX_MIB),
-        _Field("load1", "fixed", hi=MAX_LOAD_AVERAGE, scale=100),
-        _Field("cpu_pressure_pct", "fixed", hi=100, scale=100, optional=True),
+        _Field("cpu_util", "fixed", hi=1, scale=100),
+        _Field("mem_used_mib", "int", hi=MAX_MIB, digits=DIGITS),
+        _Field("mem_total_mib", "int", hi=MAX_MIB, digits=DIGITS),
+        _Field("load1", "fixed", hi=MAX_LOAD_AVERAGE, scale=10, digits=DIGITS),
+        _Field("cpu_pressure_pct", "fixed", hi=100, optional=True),
     )
 
 
@@ -229,11 +283,11 @@ class GpuLoad(_Record):
     _FIELDS = (
         _Field("index", "int", hi=255),
         _Field("util_pct", "int", hi=100),
-        _Field("mem_used_mib", "int", hi=MAX_MIB),
-        _Field("mem_total_mib", "int", hi=MAX_MIB),
+        _Field("mem_used_mib", "int", hi=MAX_MIB, digits=DIGITS),
+        _Field("mem_total_mib", "int", hi=MAX_MIB, digits=DIGITS),
         _Field("temp_c", "int", hi=255),
-        _Field("power_w", "int", hi=65535),
-        _Field("power_limit_w", "int", hi=65535),
+        _Field("power_w", "int", hi=65535, digits=DIGITS),
+        _Field("power_limit_w", "int", hi=65535, digits=DIGITS),
         _Field("throttle_reasons", "int", hi=2**64 - 1),
         _Field("processes", "int", hi=65535),
         _Field("healthy", "bool"),
@@ -275,19 +329,19 @@ class ModelLoad(_Record):
     _FIELDS = (
         _Field("model_id", "int", hi=2**64 - 1),
         _Field("port", "int", lo=1, hi=65535),
-        _Field("rps", "fixed", hi=MAX_RPS, scale=100),
+        _Field("rps", "fixed", hi=MAX_RPS, scale=100, digits=DIGITS),
         _Field("error_ratio", "fixed", hi=1, scale=10_000),
-        _Field("p50_ms", "fixed", hi=MAX_LATENCY_MS, scale=10),
-        _Field("p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10),
-        _Field("in_flight", "int", hi=MAX_IN_FLIGHT),
-        _Field("waiting", "int", hi=MAX_IN_FLIGHT, missing=0),
-        _Field("running", "int", hi=MAX_IN_FLIGHT, missing=0),
-        _Field("ttft_p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
-        _Field("itl_p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
-        _Field("tokens_per_s", "fixed", hi=MAX_TOKENS_PER_S, scale=10, missing=0.0),
-        _Field("pace_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, missing=0.0),
-        _Field("shed_start", "fixed", hi=1, scale=10_000, missing=0.0),
-        _Field("shed_width", "fixed", hi=1, scale=10_000, missing=0.0),
+        _Field("p50_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, digits=DIGITS),
+        _Field("p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, digits=DIGITS),
+        _Field("in_flight", "int", hi=MAX_IN_FLIGHT, digits=DIGITS),
+        _Field("waiting", "int", hi=MAX_IN_FLIGHT, digits=DIGITS),
+        _Field("running", "int", hi=MAX_IN_FLIGHT, digits=DIGITS),
+        _Field("ttft_p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, digits=DIGITS),
+        _Field("itl_p99_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, digits=DIGITS),
+        _Field("tokens_per_s", "fixed", hi=MAX_TOKENS_PER_S, scale=10, digits=DIGITS),
+        _Field("pace_ms", "fixed", hi=MAX_LATENCY_MS, scale=10, digits=DIGITS),
+        _Field("shed_start", "fixed", hi=1, scale=10_000),
+        _Field("shed_width", "fixed", hi=1, scale=10_000),
     )
 
     @property
@@ -298,7 +352,7 @@ class ModelLoad(_Record):
 _NODE_ID = _Field("node_id", "str", lo=1, hi=MAX_NODE_ID_BYTES)
 _VERSION = _Field("version", "int", hi=MAX_CLOCK)
 _TIMESTAMP = _Field("timestamp_ms", "int", hi=MAX_CLOCK)
-_SCORE = _Field("score", "fixed", hi=1, scale=10_000)
+_SCORE = _Field("score", "fixed", hi=1, scale=1000)
 
 
 def wire_score(score: float) -> float:

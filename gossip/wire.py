@@ -2,7 +2,7 @@
 
     offset  size
     0       2    magic "LM"
-    2       1    protocol version (2)
+    2       1    protocol version (3)
     3       1    kind: 1 gossip, 2 sync, 3 pull, 4 content, 5 cookie
     4       1    flags: 0x01 signed (a tag ends the datagram), 0x02 reply wanted (sync)
     5       8    sender: the sender's node key (see node_key), big-endian
@@ -26,7 +26,8 @@ Bodies:
   here is a token, send again echoing it." Never larger than what it answers.
 - content: a msgpack array of records, each a msgpack array:
   full  [0, flags, beat, gossip host, gossip port, encoded LoadSnapshot]
-  delta [1, flags, node key, base version, version, beat, crc32 of the result, changes]
+  delta [1, flags, node key, version, back, beat, crc32 of the result, changes]
+  (the base version is version - back, back >= 1: one byte where a base version took nine)
   where flags 0x01 marks an urgent version and `changes` is gossip/delta.py's encoding.
 
 Everything is checked before use; any violation raises WireError with a short reason
@@ -48,7 +49,9 @@ import msgpack
 from loadmesh.gossip.keyring import TAG_BYTES, Keyring
 
 MAGIC = b"LM"
-PROTOCOL_VERSION = 2
+# 3: snapshot format 2 (quantized figures) and deltas as bitmap and differences; agents
+# of protocol 2 read neither, so the two refuse each other's datagrams (bad_version).
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("!2sBBBQQII")
 ENTRY = struct.Struct("!QQI")
 WANT = struct.Struct("!QQ")
@@ -214,7 +217,7 @@ def pack_full(flags: int, beat: int, addr: tuple[str, int], content: bytes) -> b
 
 def pack_delta(flags: int, key: int, base_version: int, version: int, beat: int, crc: int,
                changes: bytes) -> bytes:
-    return msgpack.packb([1, flags, key, base_version, version, beat, crc, changes], use_bin_type=True)
+    return msgpack.packb([1, flags, key, version, version - base_version, beat, crc, changes], use_bin_type=True)
 
 
 def _array_header(n: int) -> bytes:
@@ -258,15 +261,14 @@ def _record(raw: object) -> Record:
         return FullRecord(_uint(flags, 255, "flags"), _uint(beat, MAX_U32, "beat"),
                           (host, _uint(port, 65535, "port")), content)
     if tag == 1 and len(raw) == 8:
-        _, flags, key, base, version, beat, crc, changes = raw
+        _, flags, key, version, back, beat, crc, changes = raw
         if not isinstance(changes, bytes):
             raise WireError("malformed", "changes are not bytes")
-        record = DeltaRecord(_uint(flags, 255, "flags"), _uint(key, MAX_U64, "key"),
-                             _uint(base, MAX_U64, "base"), _uint(version, MAX_U64, "version"),
-                             _uint(beat, MAX_U32, "beat"), _uint(crc, MAX_U32, "crc"), changes)
-        if record.version <= record.base_version:
-            raise WireError("malformed", "delta does not move forward")
-        return record
+        version = _uint(version, MAX_U64, "version")
+        if _uint(back, MAX_U64, "back") == 0 or back > version:
+            raise WireError("malformed", "delta does not move forward from a version")
+        return DeltaRecord(_uint(flags, 255, "flags"), _uint(key, MAX_U64, "key"), version - back, version,
+                           _uint(beat, MAX_U32, "beat"), _uint(crc, MAX_U32, "crc"), changes)
     raise WireError("malformed", f"unknown record {tag!r} of {len(raw)} fields")
 
 

@@ -1,8 +1,9 @@
 """The simulator's reference workload: what each simulated node publishes, and when.
 
 Each node is a mid-size inference host, 4 GPUs and 2 models (its snapshot encodes to
-about 235 bytes). Every second, as the agent does, it rebuilds its snapshot from a load
-figure L in [0, 1] that moves like a random walk with jumps:
+about 220 bytes, a version's delta to about 49: `encoded_sizes`). Every second, as the
+agent does, it rebuilds its snapshot from a load figure L in [0, 1] that moves like a
+random walk with jumps:
 
 - each second L moves by a normal step of standard deviation STEP, reflected into
   [0, 1]; with probability JUMP it jumps to a uniform random value instead (a burst of
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import random
 
-from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState
+from loadmesh.gossip import delta
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState, encode
 
 TICK_MS = 1000
 STEP = 0.031
@@ -34,6 +36,8 @@ MODELS = 2
 _MODEL_IDS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
 _GPU_MEM_MIB = 81_559
 _HOST_MEM_MIB = 524_288
+# 2025-11-24 in ms since the epoch: clocks and versions as wide as a real agent's.
+WALL_EPOCH_MS = 1_764_000_000_000
 
 
 class NodeLoad:
@@ -90,3 +94,25 @@ class NodeLoad:
                 for j in range(MODELS)
             ),
         )
+
+
+def encoded_sizes(versions: int, seed: int) -> tuple[list[int], list[int]]:
+    """The bytes of one reference node's first `versions` versions after its first, each
+    encoded in full and as a delta from the version before it (no shape ever changes)."""
+    load = NodeLoad("node-0001", "10.0.0.1", random.Random(seed), first_version=WALL_EPOCH_MS)
+    now_ms = WALL_EPOCH_MS
+    previous = delta.flatten(encode(load.snapshot(now_ms)))
+    fulls: list[int] = []
+    deltas: list[int] = []
+    while len(fulls) < versions:
+        now_ms += TICK_MS
+        if not load.tick()[0]:
+            continue
+        data = encode(load.snapshot(now_ms))
+        flat = delta.flatten(data)
+        change = delta.diff(previous, flat)
+        assert change is not None, "the reference workload keeps its shape"
+        fulls.append(len(data))
+        deltas.append(len(change))
+        previous = flat
+    return fulls, deltas

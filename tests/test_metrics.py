@@ -114,9 +114,9 @@ def _agent_view() -> SimpleNamespace:
     snap = LoadSnapshot(
         node_id="n1", endpoints=(Endpoint("10.0.0.1", 8000),), version=7, timestamp_ms=1,
         state=NodeState.DEGRADED, score=0.75,
-        host=HostLoad(cpu_util=0.5, mem_used_mib=1024, mem_total_mib=4096, load1=1.5,
-                      cpu_pressure_pct=12.5),
-        gpus=(GpuLoad(0, 97, 2048, 81920, 70, 300, 700, 0, 2, True),
+        host=HostLoad(cpu_util=0.5, mem_used_mib=1000, mem_total_mib=4000, load1=1.5,
+                      cpu_pressure_pct=12.0),
+        gpus=(GpuLoad(0, 97, 2000, 81900, 70, 300, 700, 0, 2, True),
               GpuLoad(1, 0, 0, 0, 0, 0, 0, 0, 0, False)),
         models=(ModelLoad(model_id("llama"), 8000, 5.0, 0.0, 20.0, 40.0, 3,
                           shed_start=0.5, shed_width=0.25),))
@@ -163,14 +163,14 @@ def test_every_family_reads_the_agents_state_in_base_units() -> None:
     assert value(s, "loadmesh_node_state", state="degraded") == 1
     assert value(s, "loadmesh_node_state", state="ok") == 0
     assert value(s, "loadmesh_host_cpu_utilization_ratio") == 0.5
-    assert value(s, "loadmesh_host_memory_used_bytes") == 1024 * 2**20
-    assert value(s, "loadmesh_host_memory_total_bytes") == 4096 * 2**20
-    assert value(s, "loadmesh_host_cpu_pressure_ratio") == 0.125
+    assert value(s, "loadmesh_host_memory_used_bytes") == 1000 * 2**20
+    assert value(s, "loadmesh_host_memory_total_bytes") == 4000 * 2**20
+    assert value(s, "loadmesh_host_cpu_pressure_ratio") == 0.12
     gpu0 = {"gpu": "0", "uuid": "GPU-aaa"}
     assert value(s, "loadmesh_gpu_info", name="H100", **gpu0) == 1
     assert value(s, "loadmesh_gpu_utilization_ratio", **gpu0) == 0.97
-    assert value(s, "loadmesh_gpu_memory_used_bytes", **gpu0) == 2048 * 2**20
-    assert value(s, "loadmesh_gpu_memory_total_bytes", **gpu0) == 81920 * 2**20
+    assert value(s, "loadmesh_gpu_memory_used_bytes", **gpu0) == 2000 * 2**20
+    assert value(s, "loadmesh_gpu_memory_total_bytes", **gpu0) == 81900 * 2**20
     assert value(s, "loadmesh_gpu_temperature_celsius", **gpu0) == 70
     assert value(s, "loadmesh_gpu_power_watts", **gpu0) == 300
     assert value(s, "loadmesh_gpu_power_limit_watts", **gpu0) == 700

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loadmesh.gossip.snapshot import (
+    DIGITS,
     MAX_ENCODED_BYTES,
     MAX_GPUS,
     MAX_MODELS,
@@ -124,6 +125,11 @@ def test_round_trip(snap: LoadSnapshot) -> None:
     data = encode(snap)
     assert decode(data) == snap
     assert encode(decode(data)) == data
+    # Figures are held quantized: building the snapshot again from them changes nothing.
+    again = replace(snap, host=replace(snap.host), gpus=[replace(g) for g in snap.gpus],
+                    models=[replace(m) for m in snap.models])
+    assert again == snap
+    assert encode(again) == data
 
 
 def test_eight_gpus_four_models_fit_576_bytes() -> None:
@@ -153,8 +159,69 @@ def test_largest_possible_snapshot_fits_decoder_limit() -> None:
 
 
 def test_figures_are_held_at_wire_resolution() -> None:
-    m = ModelLoad(1, 8000, rps=12.3456, error_ratio=0.012345, p50_ms=10.04, p99_ms=123.456, in_flight=3)
-    assert (m.rps, m.error_ratio, m.p50_ms, m.p99_ms) == (12.35, 0.0123, 10.0, 123.5)
+    m = ModelLoad(1, 8000, rps=12.3456, error_ratio=0.012345, p50_ms=10.04, p99_ms=1234.56, in_flight=1234,
+                  running=999)
+    # Three significant digits, and 1/100 rps, 0.1 ms, one request below them.
+    assert (m.rps, m.error_ratio, m.p50_ms, m.p99_ms, m.in_flight, m.running) == (
+        12.3, 0.0123, 10.0, 1230.0, 1230, 999)
+    g = GpuLoad(0, 97, 140_051, 143_771, 83, 699, 700, 0, 1, True)
+    assert (g.mem_used_mib, g.mem_total_mib, g.power_w, g.power_limit_w) == (140_000, 144_000, 699, 700)
+    h = HostLoad(cpu_util=0.4567, mem_used_mib=1_500_000, mem_total_mib=2_063_000, load1=123.45,
+                 cpu_pressure_pct=12.34)
+    assert (h.cpu_util, h.mem_used_mib, h.mem_total_mib, h.load1, h.cpu_pressure_pct) == (
+        0.46, 1_500_000, 2_060_000, 123.0, 12.0)
+    assert replace(typical(), score=0.73456).score == 0.735
+
+
+# Every field held to DIGITS significant digits: its record, name, units per 1, bound,
+# and whether it is an integer.
+LOG_FIELDS = [
+    (ModelLoad, name, scale, hi, scale == 1)
+    for name, scale, hi in (("rps", 100, 1e7), ("p50_ms", 10, 3.6e6), ("p99_ms", 10, 3.6e6),
+                            ("ttft_p99_ms", 10, 3.6e6), ("itl_p99_ms", 10, 3.6e6), ("pace_ms", 10, 3.6e6),
+                            ("tokens_per_s", 10, 1e8), ("in_flight", 1, 2**32 - 1),
+                            ("waiting", 1, 2**32 - 1), ("running", 1, 2**32 - 1))
+] + [
+    (GpuLoad, "mem_used_mib", 1, 2**32 - 1, True),
+    (GpuLoad, "mem_total_mib", 1, 2**32 - 1, True),
+    (GpuLoad, "power_w", 1, 65535, True),
+    (GpuLoad, "power_limit_w", 1, 65535, True),
+    (HostLoad, "mem_used_mib", 1, 2**32 - 1, True),
+    (HostLoad, "mem_total_mib", 1, 2**32 - 1, True),
+    (HostLoad, "load1", 10, 100_000, False),
+]
+
+
+def _held(cls: type, name: str, value: float) -> float:
+    """value as a record of cls holds it in field `name`."""
+    base = {ModelLoad: ModelLoad(1, 8000, 0, 0, 0, 0, 0),
+            GpuLoad: GpuLoad(0, 0, 0, 0, 0, 0, 0, 0, 0, True),
+            HostLoad: HostLoad(0, 0, 0, 0, None)}[cls]
+    return getattr(replace(base, **{name: value}), name)
+
+
+@settings(max_examples=400)
+@given(st.sampled_from(LOG_FIELDS), st.data())
+def test_log_scale_figures_keep_their_precision(field: tuple, data: st.DataObject) -> None:
+    cls, name, scale, hi, integral = field
+    draw = st.integers(0, int(hi)) if integral else st.floats(0, hi, allow_nan=False)
+    x, y = sorted((data.draw(draw), data.draw(draw)))
+    qx, qy = _held(cls, name, x), _held(cls, name, y)
+    # Within half a unit of the scale, or half a unit of the last kept digit (at most
+    # 1/200 of the figure).
+    assert abs(qx - x) <= max(0.5 / scale, x / 200) * (1 + 1e-9)
+    assert 0 <= qx <= hi
+    assert _held(cls, name, qx) == qx  # quantizing is idempotent
+    assert qx <= qy  # and keeps the order, so used <= total stays true
+
+
+@given(st.sampled_from(LOG_FIELDS), st.integers(1, 10**DIGITS - 1), st.integers(0, 6))
+def test_round_figures_stay_exact(field: tuple, mantissa: int, exponent: int) -> None:
+    cls, name, scale, hi, integral = field
+    count = mantissa * 10**exponent
+    value = count if integral else count / scale
+    if value <= hi:
+        assert _held(cls, name, value) == value
 
 
 def test_records_are_sorted_so_equal_content_encodes_equal() -> None:
@@ -176,24 +243,28 @@ def test_newer_writer_extra_keys_and_trailing_fields_are_ignored() -> None:
     assert decode(pack(w)) == snap
 
 
-def test_older_writer_without_the_llm_figures_reads_as_zeros() -> None:
-    """An agent from before the LLM figures sends 7-element model records."""
-    snap = typical()
-    w = wire(snap)
-    for record in w["m"]:
-        del record[7:]
-    old = decode(pack(w))
-    assert [(m.waiting, m.running, m.ttft_p99_ms, m.itl_p99_ms, m.tokens_per_s)
-            for m in old.models] == [(0, 0, 0.0, 0.0, 0.0)] * len(snap.models)
-    assert [(m.model_id, m.in_flight) for m in old.models] == [
-        (m.model_id, m.in_flight) for m in snap.models]
-
-
-def test_a_model_record_cut_before_the_original_fields_is_refused() -> None:
+def test_a_record_cut_short_is_refused() -> None:
+    # Format 2 has no older writer: every record carries all its fields.
     w = wire(typical())
-    del w["m"][0][6:]
-    with pytest.raises(SnapshotError, match="6 elements, need 7"):
+    del w["m"][0][14:]
+    with pytest.raises(SnapshotError, match="14 elements, need 15"):
         decode(pack(w))
+
+
+def test_largest_code_decodes_and_the_next_is_refused() -> None:
+    # 65535 W is held as 65500 W: code 1000 + 900 (the decade of 1000..9990) + 655 - 100.
+    w = wire(typical())
+    w["g"][0][5] = 2455
+    assert decode(pack(w)).gpus[0].power_w == 65_500
+    w["g"][0][5] = 2456
+    with pytest.raises(SnapshotError, match="code 2456 outside 0..2455"):
+        decode(pack(w))
+
+
+@pytest.mark.parametrize("field", LOG_FIELDS, ids=[f"{f[0].__name__}.{f[1]}" for f in LOG_FIELDS])
+def test_no_figure_rounds_past_its_bound(field: tuple) -> None:
+    cls, name, scale, hi, integral = field
+    assert _held(cls, name, hi) <= hi
 
 
 # --- rejection -------------------------------------------------------------------------
@@ -205,7 +276,8 @@ def _mutated(mutate) -> bytes:
 
 
 BAD = {
-    "unknown format version": lambda w: w.update(f=2),
+    "format 1, before quantization": lambda w: w.update(f=1),
+    "unknown format version": lambda w: w.update(f=3),
     "format version as a string": lambda w: w.update(f="1"),
     "missing key": lambda w: w.pop("v"),
     "unknown state": lambda w: w.update(s=9),
@@ -217,6 +289,10 @@ BAD = {
     "version past 2**63": lambda w: w.update(v=2**63),
     "util above 100": lambda w: w["g"][0].__setitem__(1, 101),
     "error ratio above 1": lambda w: w["m"][0].__setitem__(3, 10_001),
+    "log code past the bound": lambda w: w["m"][0].__setitem__(2, 2**64 - 1),
+    "negative log code": lambda w: w["m"][0].__setitem__(4, -1),
+    "float log code": lambda w: w["m"][0].__setitem__(4, 1.0),
+    "score as 1/10000": lambda w: w.update(l=7345),
     "port 0": lambda w: w["m"][0].__setitem__(1, 0),
     "node_id too long": lambda w: w.update(n="x" * 129),
     "empty node_id": lambda w: w.update(n=""),
