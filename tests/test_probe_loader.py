@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -231,7 +230,6 @@ def test_port_list_changes_without_recompile_and_pause_keeps_counts(
             assert responses(probes, "ports-b") == 1
             probes.resume()
             assert len(ours(topo.host_if, "egress")) == 1
-            time.sleep(0.05)
             assert post(topo.ns_v4, 8002, "ports-b") == 200
             assert responses(probes, "ports-b") == 2
         finally:
@@ -263,7 +261,6 @@ def test_falls_back_to_cls_bpf_filters_without_tcx(topo: nettopo.VethTopo,
             assert len(ours(topo.host_if, "egress")) == 1
             assert nettopo.tcx_progs(topo.host_if, "ingress") == []
             assert post(topo.ns_v4, 8001, "cls-bpf") == 200
-            time.sleep(0.05)
             assert responses(probes, "cls-bpf") == 1
         finally:
             probes.stop()

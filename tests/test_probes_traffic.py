@@ -25,6 +25,7 @@ import pytest
 
 import nettopo
 from llm_clients import nearest_rank
+from metrics_helpers import wait_for
 from loadmesh.probes import FingerprintReader, ProbeSet, abi, buckets
 from loadmesh.model_id import model_id
 from loadmesh.probes.maps import MapSnapshot, format_ip
@@ -212,15 +213,15 @@ def test_requests_in_flight_are_counted_per_model_until_answered(env: Env) -> No
         slow.send(b"".join(request("inflight-a", delay_ms=1500)) +
                   b"".join(request("inflight-a", delay_ms=0)))
         other.send(b"".join(request("inflight-b", delay_ms=1500)))
-        time.sleep(0.5)
-        waiting = env.probes.read_maps().inflight
-        assert waiting.get((model_id("inflight-a"), PORT, CHAT)) == (2, 0)
-        assert waiting.get((model_id("inflight-b"), PORT, CHAT)) == (1, 0)
+        a, b = (model_id("inflight-a"), PORT, CHAT), (model_id("inflight-b"), PORT, CHAT)
+
+        def counted() -> dict[tuple[int, int, int], tuple[int, int]]:
+            return {k: v for k, v in env.probes.read_maps().inflight.items() if k in (a, b)}
+
+        # Exact from when the requests have passed the hook until they are answered (1.5 s).
+        wait_for(lambda: counted() == {a: (2, 0), b: (1, 0)}, 1.0, "2 + 1 requests in flight")
         assert [slow.response()[0], slow.response()[0], other.response()[0]] == [200] * 3
-        time.sleep(0.05)
-        done = env.probes.read_maps().inflight
-        assert (model_id("inflight-a"), PORT, CHAT) not in done
-        assert (model_id("inflight-b"), PORT, CHAT) not in done
+        wait_for(lambda: counted() == {}, 5, "none in flight once answered")
     finally:
         slow.close()
         other.close()
@@ -575,7 +576,14 @@ def test_abandoned_requests_and_tcp_events(env: Env) -> None:
         client.send(b"".join(request("abandoned", delay_ms=300)))
         time.sleep(0.05)
         client.close(reset=reset)  # the client gives up: RST (or FIN) with a request out
-    time.sleep(0.4)
+
+    def resets() -> int:
+        before, after = counts.before.ports.get(PORT), env.probes.read_maps().ports[PORT]
+        return after.resets_received - (before.resets_received if before else 0)
+
+    # The last reset is the FIN client's kernel refusing the answer written 300 ms on:
+    # every answer the server tried has passed the hooks by then.
+    wait_for(lambda: resets() == 3, 5, "3 resets received")
     got, snap = counts.after()
     assert got == {}
     assert counts.errors(snap) == {}
@@ -586,8 +594,7 @@ def test_abandoned_requests_and_tcp_events(env: Env) -> None:
     assert (ended.complete, ended.aborted, ended.unanswered) == (0, 3, 0)
     before, after = counts.before.ports.get(PORT), snap.ports[PORT]
     accepted = after.conns_accepted - (before.conns_accepted if before else 0)
-    resets = after.resets_received - (before.resets_received if before else 0)
-    assert accepted == 3 and resets == 3
+    assert accepted == 3 and resets() == 3
 
 
 RETRANSMIT_SCRIPT = """
