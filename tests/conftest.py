@@ -16,6 +16,21 @@ import pytest
 
 LOADMESH = str(Path(sys.executable).with_name("loadmesh"))
 
+# `make test` runs the suite on several workers (pytest-xdist, --dist loadscope): a module
+# runs whole on one worker, so that its module fixtures (a fleet's 45 s run, a compiled
+# probe set) are made once; the workers take the modules in this order. The longest start
+# first, or the last of them would be running alone at the end.
+LONGEST = ("test_fleet_routing.py", "test_fleet_sessions.py", "test_llm_traffic.py",
+           "test_mesh.py", "test_hostile_gossip.py", "test_probes_traffic.py", "test_install.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST.index(name) if name in LONGEST else len(LONGEST)
+
+    items.sort(key=rank)
+
 
 class AgentProcess:
     """One `loadmesh agent` process; always killed at the end of the test that made it."""

@@ -16,6 +16,7 @@ Names carry the test process's pid so parallel runs do not collide, and stay wit
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import itertools
 import json
@@ -27,15 +28,35 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from loadmesh.probes import ProbeSet
 
 _counter = itertools.count()
-# Per-process subnet numbers: 10.<A>.<B>.0/24 and fd6c:6d<A>:<B>::/64 with A from the pid,
-# B from a counter, so concurrent test processes and topologies get disjoint addresses.
-_NET_A = 200 + os.getpid() % 50
+
+
+def _claim_net_a() -> int:
+    """A subnet number of this process's own, held (a lock on a file) until it exits: the
+    host side of veth_netns carries 10.<A>.<B>.1 in the test's namespace, and two test
+    processes (pytest-xdist workers, another checkout's run) with the same A would route
+    each other's traffic (four workers' pids modulo 50 meet about one run in nine)."""
+    for a in range(200, 250):
+        lock = open(f"/run/lock/loadmesh-tests-net-{a}", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        _held_locks.append(lock)
+        return a
+    raise RuntimeError("all 50 test subnets 10.200-249.x are held by running test processes")
+
+
+_held_locks: list[TextIO] = []
+# Subnets 10.<A>.<B>.0/24 and fd6c:6d<A>:<B>::/64: A claimed for this process, B from a
+# counter, so concurrent test processes and topologies get disjoint addresses.
+_NET_A = _claim_net_a()
 
 
 def _unique(prefix: str) -> str:

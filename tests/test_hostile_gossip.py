@@ -48,6 +48,11 @@ def snapshot(node_id: str, version: int) -> LoadSnapshot:
                         host=HostLoad(0.5, 1000, 2000, 1.5, None), gpus=(), models=())
 
 
+# The agent answers its API from the loop that is draining a flood: on a busy machine that
+# takes longer than the CLI's 2 s.
+API_TIMEOUT_S = 10.0
+
+
 class Target:
     """One agent and the ways a test looks at it."""
 
@@ -56,11 +61,11 @@ class Target:
         self.addr: Addr = ("127.0.0.1", port)
 
     def counters(self) -> dict[str, int]:
-        with Client(self.sock) as client:
+        with Client(self.sock, API_TIMEOUT_S) as client:
             return client.get("/v1/gossip")["counters"]
 
     def peers(self) -> dict[str, dict]:
-        with Client(self.sock) as client:
+        with Client(self.sock, API_TIMEOUT_S) as client:
             return {p["node_id"]: p for p in client.get("/v1/peers")}
 
 
@@ -259,7 +264,7 @@ def test_a_forged_id_flood_keeps_memory_bounded_and_a_real_node_gets_in(make_age
     flood = 3000
     forge_ids(target.addr, flood)
     wait_for(lambda: target.counters()["drop_table_full"] > 0, 20.0, "the table full")
-    with Client(target.sock) as client:
+    with Client(target.sock, API_TIMEOUT_S) as client:
         table_bytes = client.get("/v1/gossip")["table_bytes"]
     grown = rss_mib(process.proc.pid) - before
     assert table_bytes <= 2 << 20
