@@ -137,6 +137,12 @@ def by_model(snap: MapSnapshot, kind: int = TTFB) -> dict[tuple[int, int], int]:
     return out
 
 
+def read(reader: FingerprintReader, model: str) -> int:
+    """The answers to model that a fresh poll of the reader counts."""
+    reader.poll(time.monotonic())
+    return sum(m.requests for m in reader.model_stats() if m.model == model)
+
+
 class Counts:
     """Responses the probes recorded since construction, per (model, status)."""
 
@@ -267,8 +273,7 @@ def test_p99_within_5_percent_of_the_client(env: Env) -> None:
         t.start()
     for t in threads:
         t.join()
-    time.sleep(0.05)
-    reader.poll(time.monotonic())
+    wait_for(lambda: read(reader, model) >= len(ttfb), 5, "every answer read")
     (stats,) = [m for m in reader.model_stats() if m.model == model]
     assert stats.requests == len(ttfb) == 200
     client_p99_ms = nearest_rank(ttfb, 0.99) * 1000
@@ -702,8 +707,7 @@ def test_report_shows_the_traffic(env: Env) -> None:
     client.call("report-model", status=503)
     port = client.sock.getsockname()[1]
     client.close()
-    time.sleep(0.05)
-    reader.poll(time.monotonic())
+    wait_for(lambda: read(reader, "report-model") >= 2, 5, "both answers read")
     report = json.loads(b"".join(reader.report_json()))
     (m,) = [m for m in report["models"] if m["model"] == "report-model"]
     assert m["requests"] == 2 and m["status"] == {"200": 1, "503": 1}
