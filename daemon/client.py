@@ -65,6 +65,16 @@ class Client:
     def post(self, path: str, payload: Any) -> Any:
         return self._request("POST", path, json.dumps(payload).encode())
 
+    def _unavailable(self, error: OSError) -> str:
+        if isinstance(error, FileNotFoundError):
+            return f"no agent is running: {self.socket_path} does not exist"
+        if isinstance(error, ConnectionRefusedError):
+            return f"no agent is running: nothing listens on {self.socket_path}"
+        if isinstance(error, PermissionError):
+            return (f"permission denied on {self.socket_path}: run as root or in the socket's "
+                    "group")
+        return f"the agent on {self.socket_path} did not answer in time"
+
     def _request(self, method: str, target: str, body: bytes | None) -> Any:
         headers = {"Content-Type": "application/json"} if body is not None else {}
         # One retry on a fresh connection: the agent closes idle keep-alive connections,
@@ -79,16 +89,12 @@ class Client:
                 self._conn.close()
                 if attempt == 2:
                     raise AgentUnavailable(f"the agent on {self.socket_path} closed the connection")
-            except FileNotFoundError:
-                raise AgentUnavailable(f"no agent is running: {self.socket_path} does not exist") from None
-            except ConnectionRefusedError:
-                raise AgentUnavailable(f"no agent is running: nothing listens on {self.socket_path}") from None
-            except PermissionError:
-                raise AgentUnavailable(
-                    f"permission denied on {self.socket_path}: run as root or in the socket's group") from None
-            except TimeoutError:
+            except (FileNotFoundError, ConnectionRefusedError, PermissionError,
+                    TimeoutError) as e:
+                # http.client keeps a failed request's state: without a close, this
+                # client's next request would raise CannotSendRequest, agent back or not.
                 self._conn.close()
-                raise AgentUnavailable(f"the agent on {self.socket_path} did not answer in time") from None
+                raise AgentUnavailable(self._unavailable(e)) from None
         try:
             payload = json.loads(data)
         except json.JSONDecodeError:

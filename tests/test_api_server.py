@@ -229,6 +229,16 @@ def test_client_errors(server: ServerThread, run_dir: Path) -> None:
         Client(str(run_dir / "absent.sock")).get("/echo")
 
 
+def test_a_client_that_found_no_agent_reaches_it_once_it_is_up(run_dir: Path) -> None:
+    path = str(run_dir / "later.sock")
+    with Client(path) as client:
+        for _ in range(2):
+            with pytest.raises(AgentUnavailable, match="does not exist"):
+                client.get("/echo")
+        with ServerThread(path):
+            assert client.get("/echo", b="2")["query"] == {"b": "2"}
+
+
 def test_second_server_on_a_live_socket_refuses(server: ServerThread) -> None:
     other = ApiServer(server.server.path, RouteTable([]))
     with pytest.raises(StartupError, match="another agent is serving"):

@@ -51,12 +51,7 @@ class MeshAgent:
                 start_new_session=True)
 
     def get(self, path: str, **query: str) -> Any:
-        try:
-            return self.client.get(path, **query)
-        except AgentUnavailable:
-            # A refused connect leaves http.client mid-request: start the next one afresh.
-            self.client.close()
-            raise
+        return self.client.get(path, **query)
 
     def peers(self) -> dict[str, dict]:
         return {p["node_id"]: p for p in self.get("/v1/peers")}
