@@ -85,7 +85,14 @@ async def _a_stuck_tick_degrades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     component = SnapshotComponent(config, Probes(), gpu)  # type: ignore[arg-type]
     await component.start()
     try:
-        await asyncio.sleep(0.3)
+        # Three ticks built, each one a chance to be taken for a stall.
+        ticks: set[int] = set()
+        deadline = time.monotonic() + 5
+        while len(ticks) < 3:
+            assert time.monotonic() < deadline, "the ticks did not run"
+            if component.confirmed_ms is not None:
+                ticks.add(component.confirmed_ms)
+            await asyncio.sleep(0.02)
         assert component.stalled_s == 0 and component.health().state is HealthState.OK
         gpu.stuck = True
         deadline = time.monotonic() + 5
