@@ -131,7 +131,7 @@ class GossipParams:
         return max(1.0, math.sqrt(nodes / self.scale_nodes))
 
     def push_pull_ms(self, nodes: int) -> int:
-        """memberlist's pushPullScale: the interval doubles each time N doubles past 32."""
+        """memberlist's pushPullScale: one more base interval each time N doubles past 32."""
         if nodes <= 32:
             return self.push_pull_interval_ms
         return self.push_pull_interval_ms * (math.ceil(math.log2(nodes) - 5) + 1)

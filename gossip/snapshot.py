@@ -30,7 +30,7 @@ that a figure moving by a few percent moves its code by a few units and a delta 
 it in one byte (gossip/delta.py). docs/snapshot.md says why each figure has its precision.
 
 Records are positional arrays rather than maps: with keys, 8 GPUs and 4 models do not fit
-the 512-byte budget. Compatibility rules, so that agents of different releases interoperate:
+the 576-byte budget. Compatibility rules, so that agents of different releases interoperate:
 
 - A reader ignores top-level keys it does not know and elements past the ones it knows at
   the end of any record; a newer writer adds fields only that way, under the same "f".
@@ -40,7 +40,7 @@ the 512-byte budget. Compatibility rules, so that agents of different releases i
   quantized figures) came with protocol 3; a reader refuses a format it does not support.
 
 GPU identity (UUID, name) stays on the host: peers route on figures, and eight UUIDs alone
-would take 144 of the 512 bytes.
+would take 144 of the 576 bytes.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ FLAG_REPLY = 0x02
 RECORD_URGENT = 0x01
 MAX_U64 = 2**64 - 1
 MAX_U32 = 2**32 - 1
-# A snapshot near its 8192-byte ceiling cannot fit a 1400-byte datagram; it travels alone
+# A snapshot near its largest (7,779 bytes with every field at its bound) cannot fit a 1400-byte datagram; it travels alone
 # in a datagram up to this size and relies on IP fragmentation. Nothing else may be larger
 # than max_datagram.
 MAX_SINGLE_RECORD_DATAGRAM = 8192 + 256

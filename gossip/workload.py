@@ -1,9 +1,9 @@
 """The simulator's reference workload: what each simulated node publishes, and when.
 
 Each node is a mid-size inference host, 4 GPUs and 2 models (its snapshot encodes to
-about 220 bytes, a version's delta to about 49: `encoded_sizes`). Every second, as the
-agent does, it rebuilds its snapshot from a load figure L in [0, 1] that moves like a
-random walk with jumps:
+about 220 bytes, a version's delta to about 49: `encoded_sizes`). Every second (the agent
+rebuilds every load.tick_ms, 250 ms, and publishes past its deadbands) it rebuilds its
+snapshot from a load figure L in [0, 1] that moves like a random walk with jumps:
 
 - each second L moves by a normal step of standard deviation STEP, reflected into
   [0, 1]; with probability JUMP it jumps to a uniform random value instead (a burst of

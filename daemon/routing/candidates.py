@@ -225,7 +225,7 @@ class Candidate:
         # else the time of one request without queueing (the P50 envelope).
         self.service_ms = service_ms
         # The token gaps the snapshot has: (the median over the last second, the window's
-        # P99); 0 where it has none. An agent before pace_ms sends only the P99.
+        # P99); 0 where it has none (no stream in the last second, or in the window).
         self.paces = paces
         self.capacity = capacity
         # Capacity times health: the cost's divisor before slow start.
@@ -332,8 +332,8 @@ def build(peers: Sequence[PeerRecord], config: RoutingConfig,
         cands = [_candidate(by_id[n], entries, config, reference, now_ms)
                  for n, entries in serving.items()]
         # One measure of pace for all of a model's candidates, so that they compare: the
-        # token gap once any streams (the recent median where any peer sends it, else the
-        # P99 of older agents), the request time while none does. A peer without the
+        # token gap once any streams (the recent median where any peer has one, else the
+        # window's P99), the request time while none does. A peer without the
         # figure (idle, or not streaming) is taken as typical of the others.
         for i in range(2):
             if any(c.paces[i] > 0 for c in cands):
