@@ -53,6 +53,10 @@ MODEL = "tiny"
 PORT = 8000
 LOADMESH = str(Path(sys.executable).with_name("loadmesh"))
 CLIENTS = [sys.executable, str(ROOT / "tests" / "llm_clients.py")]
+# The clients' stopwatches ahead of the server on the CPU, the server behind the agent:
+# what is measured is the server's queue, not who got the CPU first.
+CLIENT_NICE = -5
+SERVER_NICE = 5
 VLLM_KINDS = {"ttft": "vllm:time_to_first_token_seconds",
               "itl": "vllm:inter_token_latency_seconds",
               "e2e": "vllm:e2e_request_latency_seconds"}
@@ -181,20 +185,39 @@ class Sampler:
 
 def start_clients(url: str, n: int, seconds: float, stream: bool, max_tokens: int,
                   prompt: str) -> list[subprocess.Popen[str]]:
+    """n clients, released together once every one is warm.
+
+    On two CPUs vLLM's engine core spins while a request runs (it polls its worker), so a
+    client still importing its libraries (a second of CPU) when the first ones start
+    sending got 2% of a CPU and took a minute to start: the phase ran one or two requests
+    at a time for most of its length. Warm first, then all at once, and ahead of the
+    server on the CPU (the server runs niced), so that the stopwatches are not delayed by
+    its spinning either."""
     argv = [*CLIENTS, "--url", url, "--model", MODEL, "--requests", "100000",
             "--seconds", str(seconds), "--max-tokens", str(max_tokens), "--ignore-eos",
-            "--warmup-as-model", "--prompt", prompt]
+            "--warmup-as-model", "--prompt", prompt, "--barrier"]
     if stream:
         argv.append("--stream")
-    return [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: os.nice(CLIENT_NICE)) for _ in range(n)]
+    for p in procs:
+        line = p.stderr.readline() if p.stderr else ""
+        if line != "warm\n":
+            raise RuntimeError(f"a client did not warm up: {line!r}")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return procs
 
 
 def collect(procs: list[subprocess.Popen[str]], seconds: float) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for p in procs:
-        text, _ = p.communicate(timeout=seconds + 300)
+        text, err = p.communicate(timeout=seconds + 300)
         if p.returncode != 0:
-            raise RuntimeError(f"a client failed ({p.returncode})")
+            raise RuntimeError(f"a client failed ({p.returncode}): {err[-2000:]}")
         out += json.loads(text)
     return out
 
@@ -236,6 +259,9 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
         elapsed = time.monotonic() - start
     vllm1 = get(f"{url}/metrics")
     lm1 = get(f"http://127.0.0.1:{metrics_port}/metrics")
+    # Every stopwatch and sample, to look into a phase after the fact.
+    (args.work / f"raw-{'streamed' if stream else 'plain'}.json").write_text(json.dumps(
+        {"start": start, "at": at, "timings": timings, "samples": sampler.rows}))
     (row,) = [m for m in report["models"] if m["model"] == MODEL and m["endpoint"] == "chat"]
     client = client_samples(timings, at - report["window_s"], at)
     latency: dict[str, Any] = {}
@@ -254,6 +280,9 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
     # steady state: past the ramp-up, before the drain; the score once the agent's window
     # and its smoothing (half-life 3 s) hold the load alone
     steady = [r for r in sampler.rows if start + 0.25 * args.load_s < r[0] < at]
+    # The load the clients really offered: their requests outstanding at each sample, so
+    # that a phase whose clients fell behind is seen as such, not taken for the server's.
+    clients_in_flight = [sum(t["sent"] <= r[0] < t["done"] for t in timings) for r in steady]
     snaps = [s for s in sampler.snapshots if start + report["window_s"] + 6 < s[0] < at]
     vllm_tokens = (scalar(vllm1, "vllm:generation_tokens_total")
                    - scalar(vllm0, "vllm:generation_tokens_total"))
@@ -270,6 +299,8 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
                   "loadmesh_running": statistics.fmean(r[2] for r in steady),
                   "vllm_waiting": statistics.fmean(r[3] for r in steady),
                   "vllm_running": statistics.fmean(r[4] for r in steady),
+                  "clients": statistics.fmean(clients_in_flight),
+                  "clients_min": min(clients_in_flight),
                   "samples": len(steady)},
         "tokens": {"loadmesh": lm_tokens, "vllm": vllm_tokens, "seconds": elapsed},
         "score": statistics.median(s[1] for s in snaps) if snaps else None,
@@ -277,6 +308,7 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
         "states": {state: round(sum(s[2] == state for s in snaps) / len(snaps), 3)
                    for state in sorted({s[2] for s in snaps})},
         "probe_errors": {k: v for k, v in report["errors"].items() if v},
+        "agent_row": row,
     }
 
 
@@ -308,7 +340,8 @@ def print_report(results: list[dict[str, Any]], args: argparse.Namespace) -> Non
         qd = r["queue"]
         print(f"  waiting/running (mean of {qd['samples']} samples, steady state): loadmesh "
               f"{qd['loadmesh_waiting']:.2f}/{qd['loadmesh_running']:.2f}, vLLM "
-              f"{qd['vllm_waiting']:.2f}/{qd['vllm_running']:.2f}")
+              f"{qd['vllm_waiting']:.2f}/{qd['vllm_running']:.2f}; clients' requests "
+              f"outstanding {qd['clients']:.2f} (least {qd['clients_min']})")
         tk = r["tokens"]
         print(f"  output tokens over the phase: loadmesh {tk['loadmesh']:.0f} "
               f"({tk['loadmesh'] / tk['seconds']:.1f}/s), vLLM {tk['vllm']:.0f} "
@@ -338,7 +371,7 @@ def main() -> None:
         sys.exit("bench_vllm: needs root (network namespaces, BPF)")
     subprocess.run(["bash", str(ROOT / "scripts" / "setup_vllm.sh"), args.dir], check=True)
     vllm_dir = Path(args.dir)
-    work = Path(tempfile.mkdtemp(prefix="lm-vllm-", dir="/tmp"))
+    work = args.work = Path(tempfile.mkdtemp(prefix="lm-vllm-", dir="/tmp"))
     with nettopo.veth_netns("lmv") as topo:
         url = f"http://{topo.ns_v4}:{PORT}"
         # Keep-alive of 60 s, not uvicorn's 5: on two CPUs shared with vLLM, a client process
@@ -346,7 +379,7 @@ def main() -> None:
         # the connection just as the client reuses it ("Server disconnected").
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
                "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"}
-        server = topo.ns.argv([str(vllm_dir / "venv/bin/python"), "-m",
+        server = topo.ns.argv(["nice", "-n", str(SERVER_NICE), str(vllm_dir / "venv/bin/python"), "-m",
                                "vllm.entrypoints.openai.api_server",
                                "--model", str(vllm_dir / "llama-1024x8"), "--served-model-name", MODEL,
                                "--host", topo.ns_v4, "--port", str(PORT), "--dtype", "bfloat16",
