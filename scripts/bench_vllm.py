@@ -57,6 +57,7 @@ CLIENTS = [sys.executable, str(ROOT / "tests" / "llm_clients.py")]
 # what is measured is the server's queue, not who got the CPU first.
 CLIENT_NICE = -5
 SERVER_NICE = 5
+POLL_S = 0.25  # the agent reads its probes this often (docs/probes.md)
 VLLM_KINDS = {"ttft": "vllm:time_to_first_token_seconds",
               "itl": "vllm:inter_token_latency_seconds",
               "e2e": "vllm:e2e_request_latency_seconds"}
@@ -252,9 +253,9 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
                               prompt)
         # the clients start their clocks after a warm-up request of a second or two
         time.sleep(args.load_s)
+        at = time.monotonic()
         with Client(agent_sock) as agent:
             report = agent.get("/v1/fingerprints")
-        at = time.monotonic()
         timings = collect(procs, args.load_s)
         elapsed = time.monotonic() - start
     vllm1 = get(f"{url}/metrics")
@@ -263,7 +264,10 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
     (args.work / f"raw-{'streamed' if stream else 'plain'}.json").write_text(json.dumps(
         {"start": start, "at": at, "timings": timings, "samples": sampler.rows}))
     (row,) = [m for m in report["models"] if m["model"] == MODEL and m["endpoint"] == "chat"]
-    client = client_samples(timings, at - report["window_s"], at)
+    # The agent's window ends at its last poll, up to POLL_S before `at`: the clients'
+    # samples are those surely inside it, none of the edges' (with fifty samples, P99 is
+    # the largest, and one request ending between the poll and `at` would decide it).
+    client = client_samples(timings, at - report["window_s"] + POLL_S, at - POLL_S)
     latency: dict[str, Any] = {}
     lm_labels = {"model": MODEL, "endpoint": "chat"}
     for kind in ("ttft", "itl", "e2e"):
