@@ -1,4 +1,4 @@
-"""The announcement queue: memberlist's TransmitLimitedQueue for (node, version, beat).
+"""The announcement queue: memberlist's TransmitLimitedQueue for (node, version, status and incarnation).
 
 - Latest wins: one entry per node; news about a node replaces its queued entry and
   starts it again from zero transmissions.
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from itertools import islice
 
-Entry = tuple[int, int, int]  # node key, version, beat
+Entry = tuple[int, int, int]  # node key, version, status << 30 | incarnation
 
 
 class BroadcastQueue:
     def __init__(self) -> None:
         # _levels[n] holds the entries sent n times so far, oldest first, each as
-        # (version, beat, how many times to send it).
+        # (version, status and incarnation, how many times to send it).
         self._levels: list[dict[int, tuple[int, int, int]]] = [{}]
         self._level_of: dict[int, int] = {}
 
@@ -29,12 +29,12 @@ class BroadcastQueue:
     def __contains__(self, key: int) -> bool:
         return key in self._level_of
 
-    def put(self, key: int, version: int, beat: int, limit: int) -> None:
+    def put(self, key: int, version: int, tail: int, limit: int) -> None:
         """Queue news about `key`, to be sent `limit` times, replacing older news."""
         level = self._level_of.get(key)
         if level is not None:
             del self._levels[level][key]
-        self._levels[0][key] = (version, beat, limit)
+        self._levels[0][key] = (version, tail, limit)
         self._level_of[key] = 0
 
     def take(self, n: int, first: int | None = None, skip: frozenset[int] | set[int] = frozenset()) -> list[Entry]:

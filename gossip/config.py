@@ -27,26 +27,30 @@ class GossipParams:
                                 "largest datagram sent or accepted, the same on every node")
     # A round datagram carries announcements, each sent at most
     # retransmit_mult * ceil(log10(N + 1)) times by each node (memberlist's limit).
-    retransmit_mult: int = 2
+    retransmit_mult: int = 3
     # A round may send a peer several compound datagrams when the queue holds more than
     # one: at 1000 nodes one datagram per peer cannot carry the announcements (docs).
     max_datagrams_per_peer: int = 4
-    # Every node sends each live peer a beat, directly, once per this interval: its
-    # version, vouched for as of now. Beats are what failure detection hears between
-    # versions.
-    beat_interval_ms: int = 1500
-    # Above scale_nodes nodes the beat interval grows with N / scale_nodes and the
-    # detection timers with sqrt(N / scale_nodes) (see beat_scale and timer_scale).
-    scale_nodes: int = 100
-    # Failure detection: measured from the local receive time of the last newer version
-    # or of a later beat from the peer itself, never from the peer's clock.
-    suspect_after_ms: int = setting(2800, between(100, 3_600_000),
-                                    "a peer whose version stood still this long is suspect")
-    dead_after_ms: int = setting(4300, between(200, 3_600_000), "... and dead (not routed to)")
+    # SWIM failure detection (gossip/probes.py): each period a node pings one peer; no ack
+    # within probe_timeout_ms, it asks indirect_checks others to ping it; no answer by the
+    # period's end, the peer is suspect. Both are stretched by local health (x1 to x9).
+    probe_interval_ms: int = setting(500, between(50, 60_000), "SWIM protocol period: one peer probed")
+    probe_timeout_ms: int = setting(200, between(10, 30_000),
+                                    "a probe unanswered this long is retried through other peers")
+    indirect_checks: int = 3
+    health_max: int = 8
+    # A suspect has suspicion_mult * max(1, log10 N) * probe_interval (never less than
+    # suspicion_min_ms) to refute once corroborated by suspicion_confirmations more
+    # accusers, up to suspicion_max_mult times that while a single accuser speaks.
+    suspicion_mult: float = 2.5
+    suspicion_max_mult: int = 6
+    suspicion_confirmations: int = 1
+    suspicion_min_ms: int = setting(2500, between(100, 3_600_000),
+                                    "the least time a suspect peer has to refute before it is dead")
+    # A tick this much later than the core asked for means this node was stalled: its
+    # own timers are pushed back by the stall instead of judging peers by it.
+    stall_ms: int = 250
     reap_after_ms: int = setting(600_000, between(1000, 86_400_000), "... and forgotten")
-    # A suspect is asked directly for a fresh beat this often until alive or dead: 15
-    # probes between suspect and dead, so at 20% loss each way all fail with p = 2e-7.
-    probe_interval_ms: int = 100
     # An urgent snapshot is relayed at once, on first receipt, to this many peers; at
     # most urgent_relays_per_s of them (a burst of twice that), so that a fleet starting
     # at once (every first snapshot is urgent) does not flood: beyond it, the rounds
@@ -95,40 +99,37 @@ class GossipParams:
         check_settings(self)
         if not 0 <= self.jitter < 1:
             raise SettingError("jitter", f"must be in [0, 1), got {self.jitter}")
-        for name in ("retransmit_mult", "max_datagrams_per_peer", "beat_interval_ms",
-                     "scale_nodes", "pull_timeout_ms", "push_pull_interval_ms",
-                     "dead_sync_interval_ms", "join_retry_ms", "anchors_per_source",
-                     "rate_per_source", "rate_burst", "max_sources", "urgent_relays_per_s",
-                     "probe_interval_ms", "cookie_epoch_ms", "max_clock_skew_ms"):
+        for name in ("retransmit_mult", "max_datagrams_per_peer", "pull_timeout_ms",
+                     "push_pull_interval_ms", "dead_sync_interval_ms", "join_retry_ms",
+                     "anchors_per_source", "rate_per_source", "rate_burst", "max_sources",
+                     "urgent_relays_per_s", "indirect_checks", "suspicion_mult", "suspicion_confirmations",
+                     "suspicion_max_mult", "stall_ms", "cookie_epoch_ms", "max_clock_skew_ms"):
             if getattr(self, name) <= 0:
                 raise SettingError(name, "must be positive")
-        if not self.suspect_after_ms < self.dead_after_ms < self.reap_after_ms:
-            raise ValueError(f"need suspect_after_ms < dead_after_ms < reap_after_ms, got "
-                             f"{self.suspect_after_ms}, {self.dead_after_ms}, {self.reap_after_ms}")
-        # A peer beats every beat_interval_ms: suspecting it sooner would suspect everyone.
-        if self.beat_interval_ms >= self.suspect_after_ms:
-            raise ValueError(f"suspect_after_ms ({self.suspect_after_ms}) must be above the beat "
-                             f"interval (beat_interval_ms, {self.beat_interval_ms})")
+        # The indirect probes need time within the period: ping-req, ping, ack, ack.
+        if self.probe_timeout_ms * 2 > self.probe_interval_ms:
+            raise SettingError("probe_timeout_ms", f"{self.probe_timeout_ms} must be at most half of "
+                               f"probe_interval_ms ({self.probe_interval_ms}): the indirect probes "
+                               f"need the rest of the period")
+        if self.suspicion_min_ms >= self.reap_after_ms:
+            raise SettingError("suspicion_min_ms", f"{self.suspicion_min_ms} must be below "
+                               f"reap_after_ms ({self.reap_after_ms})")
 
     def retransmit_limit(self, nodes: int) -> int:
         """How many times a node sends one announcement: memberlist's
         RetransmitMult * ceil(log10(N + 1))."""
         return self.retransmit_mult * max(1, math.ceil(math.log10(nodes + 1)))
 
-    def beat_scale(self, nodes: int) -> float:
-        """The factor on beat_interval for a mesh of `nodes`.
-
-        Every node hears every node's beats: at a fixed interval the beat traffic per
-        node would grow with N. Growing the interval with N keeps it constant; in a big
-        mesh the versions themselves, and the beats that probes ask for, carry liveness.
-        """
-        return max(1.0, nodes / self.scale_nodes)
-
-    def timer_scale(self, nodes: int) -> float:
-        """The factor on suspect_after and dead_after for a mesh of `nodes`: the slower
-        beats and the longer tail of a bigger mesh need more time before a verdict
-        (x3.2 at 1000 nodes)."""
-        return max(1.0, math.sqrt(nodes / self.scale_nodes))
+    def suspicion_ms(self, nodes: int) -> tuple[int, int, int]:
+        """The shortest and longest time a suspect has to refute in a mesh of `nodes`,
+        and how many accusers corroborate a suspicion (memberlist's suspicionTimeout,
+        with a floor). The log grows the time a rumour takes to reach everyone."""
+        shortest = max(self.suspicion_min_ms,
+                       int(self.suspicion_mult * max(1.0, math.log10(max(nodes, 1))) * self.probe_interval_ms))
+        expected = self.suspicion_confirmations
+        if nodes - 2 < expected:
+            expected = 0
+        return shortest, shortest * self.suspicion_max_mult, expected
 
     def push_pull_ms(self, nodes: int) -> int:
         """memberlist's pushPullScale: one more base interval each time N doubles past 32."""

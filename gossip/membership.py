@@ -2,22 +2,25 @@
 
 Two orders, both "never go back":
 
-- the key (version, beat) orders what a node has said about itself. The beat counts the
-  milliseconds the owner has vouched for a version since publishing it, so within one
-  version it orders exactly as the owner's timestamp would. A strictly greater key is
-  news: the peer is alive as of the local receive time (`fresh_at`), whatever the peer's
-  clock says.
+- the version orders what a node has said about its load, and the incarnation what it
+  has said about its liveness (SWIM's): the owner raises it, and only the owner, to
+  refute a suspicion of itself, so an incarnation above the one a peer was accused
+  under proves it alive after the accusation. A version, however new, proves nothing of
+  the kind: it may have been published just before a death and arrive late.
 - content orders by (version, timestamp_ms), then by the encoded bytes: a sole writer
   never publishes two contents under one version and timestamp, but if a broken one
   does, every node still keeps the same one, whatever the order of arrival.
 
-A peer may hold a key ahead of its content (it heard of a version it has not fetched
-yet); the content never goes past the key.
+A peer's version may run ahead of its content (a version heard of, not yet fetched); the
+content never goes past it.
 
-States follow `fresh_at`: alive, suspect after suspect_after without news, dead after
-dead_after (out of routing and of the gossip targets), forgotten after reap_after. The
-table keeps one insertion-ordered dict per state, ordered by fresh_at, so each sweep
-only looks at the peers whose deadline has come.
+States follow SWIM (gossip/probes.py, gossip/suspicion.py): a peer is alive until a
+failed probe or a suspicion heard makes it suspect under the incarnation held
+(`accused`); dead when the suspicion times out or a death under that incarnation is
+heard; alive again on any proven datagram of its own or a greater incarnation.
+`fresh_at` is when this node last had news from the node: a newer version, or a
+datagram of its own; routing ages snapshots by it. Dead peers are forgotten reap_after
+after their death.
 
 Bounds: at most max_peers peers and max_bytes of snapshot encodings (each peer's and the
 one before it, kept to answer pulls with deltas). When full, a newcomer takes a dead
@@ -51,7 +54,7 @@ class Peer:
     node_id: str
     key: int
     version: int
-    beat: int
+    incarnation: int
     fresh_at: int
     state: PeerState
     snapshot: LoadSnapshot
@@ -67,6 +70,9 @@ class Peer:
     # The source (gossip.ratelimit.source_key) whose proven datagrams carried this node's
     # own word; None while it is known only from others.
     anchor: str | None = None
+    # The incarnation it is suspect or dead under; when the state last changed.
+    accused: int = 0
+    state_at: int = 0
 
     @property
     def size(self) -> int:
@@ -74,7 +80,7 @@ class Peer:
 
     @property
     def gossip_addr(self) -> Addr:
-        """Where to send: the address datagrams came from beats the advertised one, which
+        """Where to send: the address datagrams came from wins over the advertised one, which
         a node bound to 0.0.0.0 may have guessed wrong."""
         return self.observed or self.addr
 
@@ -125,34 +131,72 @@ class PeerTable:
 
     # --- merge -----------------------------------------------------------------------------
 
-    def merge_key(self, peer: Peer, version: int, beat: int, now: int, direct: bool = False) -> bool:
-        """Take (version, beat) if it is news; True when it was.
+    def merge_key(self, peer: Peer, version: int, incarnation: int, now: int, direct: bool = False) -> bool:
+        """Take a version and an incarnation heard of; True when either was news.
 
-        Only a newer version, or a beat from the peer itself (`direct`), makes the peer
-        fresh. A later beat relayed by a third node is kept, for ordering, but says
-        nothing about now: the peer may have died since that node heard it, and taking
-        it as fresh would let relays keep a dead node alive.
+        A newer version makes the peer fresh (routing ages snapshots by it), anything from
+        the peer itself (`direct`) makes it fresh and alive, and an incarnation above the
+        one it was accused under makes a suspect or dead peer alive.
         """
-        if version < peer.version or (version == peer.version and beat <= peer.beat):
-            return False
-        fresh = direct or version > peer.version
-        peer.version, peer.beat = version, beat
-        if fresh:
+        news = False
+        if version > peer.version:
+            peer.version = version
+            news = True
+            if not direct:
+                self.refresh(peer, now)
+        if incarnation > peer.incarnation:
+            peer.incarnation = incarnation
+            news = True
+            if peer.state is not PeerState.ALIVE and incarnation > peer.accused and not direct:
+                self._set_state(peer, PeerState.ALIVE, now)
+        if direct:
             self.touch(peer, now)
-        return True
+        return news
 
-    def touch(self, peer: Peer, now: int) -> None:
-        """The peer is alive as of now."""
+    def refresh(self, peer: Peer, now: int) -> None:
+        """A newer version of the peer's figures: fresh as of now, whatever its state."""
         peer.fresh_at = now
         self.changes += 1
+
+    def touch(self, peer: Peer, now: int) -> None:
+        """News from the peer as of now (a newer version, or its own datagram): alive."""
+        peer.fresh_at = now
+        self.changes += 1
+        if peer.state is PeerState.ALIVE:
+            # To the end of its state's order: the stalest are first (see room_for).
+            alive = self._alive
+            del alive[peer.key]
+            alive[peer.key] = None
+        else:
+            self._set_state(peer, PeerState.ALIVE, now)
+
+    def suspect(self, peer: Peer, now: int) -> bool:
+        """Suspect the peer under the incarnation held; False when it already was, or is
+        dead."""
+        if peer.state is not PeerState.ALIVE:
+            return False
+        peer.accused = peer.incarnation
+        self._set_state(peer, PeerState.SUSPECT, now)
+        return True
+
+    def bury(self, peer: Peer, now: int) -> bool:
+        """Declare the peer dead under the incarnation held; False when it already was."""
+        if peer.state is PeerState.DEAD:
+            return False
+        peer.accused = peer.incarnation
+        self._set_state(peer, PeerState.DEAD, now)
+        return True
+
+    def _set_state(self, peer: Peer, state: PeerState, now: int) -> None:
         old = peer.state
         del self._by_state[old][peer.key]
-        self._by_state[PeerState.ALIVE][peer.key] = None
-        if old is not PeerState.ALIVE:
-            peer.state = PeerState.ALIVE
-            if old is PeerState.DEAD:
-                self._add_live(peer.key)
-            self._notify(peer, old, PeerState.ALIVE, now)
+        self._by_state[state][peer.key] = None
+        peer.state, peer.state_at = state, now
+        if old is PeerState.DEAD:
+            self._add_live(peer.key)
+        elif state is PeerState.DEAD:
+            self._drop_live(peer.key)
+        self._notify(peer, old, state, now)
 
     # --- bounds ------------------------------------------------------------------------------
 
@@ -202,15 +246,15 @@ class PeerTable:
             self._remove(self._peers[victim], now)
         return True
 
-    def rewind_key(self, peer: Peer) -> bool:
-        """Bring a key that ran ahead of the content back to the content's version;
-        False when it had not."""
+    def rewind_version(self, peer: Peer) -> bool:
+        """Bring a version that ran ahead of the content back to the content's; False
+        when it had not."""
         if peer.version <= peer.snapshot.version:
             return False
-        peer.version, peer.beat = peer.snapshot.version, 0
+        peer.version = peer.snapshot.version
         return True
 
-    def merge_content(self, key: int, snap: LoadSnapshot, content: bytes, beat: int, addr: Addr,
+    def merge_content(self, key: int, snap: LoadSnapshot, content: bytes, incarnation: int, addr: Addr,
                       urgent: bool, now: int, delta: bytes | None = None, direct: bool = False,
                       anchor: str | None = None) -> Peer | None:
         """Store the content if it is newer than the one held; the peer when it was.
@@ -223,8 +267,8 @@ class PeerTable:
             if not self.room_for(len(content), self._may_anchor(anchor), now, entries=1):
                 self.refused += 1
                 return None
-            peer = Peer(snap.node_id, key, snap.version, beat, now, PeerState.ALIVE, snap,
-                        content, urgent, addr)
+            peer = Peer(snap.node_id, key, snap.version, incarnation, now, PeerState.ALIVE, snap,
+                        content, urgent, addr, state_at=now)
             self._peers[key] = peer
             self.bytes += peer.size
             self._by_state[PeerState.ALIVE][key] = None
@@ -247,52 +291,31 @@ class PeerTable:
             peer.snapshot, peer.content, peer.urgent, peer.delta = snap, content, urgent, delta
             peer.addr = addr
             self.changes += 1
-        # Even old content may come with a beat that is news.
-        self.merge_key(peer, snap.version, beat, now, direct)
+        # Even old content may come with an incarnation that is news.
+        self.merge_key(peer, snap.version, incarnation, now, direct)
         return peer if stored else None
 
-    # --- failure detection -----------------------------------------------------------------
+    # --- forgetting -------------------------------------------------------------------------
 
-    def sweep(self, now: int, suspect_after: int, dead_after: int, reap_after: int) -> None:
-        """Move every peer whose deadline has come to its next state, or forget it."""
+    def sweep(self, now: int, reap_after: int) -> None:
+        """Forget the peers dead for reap_after (the dead are kept in the order they died)."""
         dead = self._dead
-        self._advance(self._alive, self._suspect, PeerState.SUSPECT, now - suspect_after, now)
-        self._advance(self._suspect, dead, PeerState.DEAD, now - dead_after, now)
         while dead:
-            key = next(iter(dead))
-            peer = self._peers[key]
-            if peer.fresh_at > now - reap_after:
+            peer = self._peers[next(iter(dead))]
+            if peer.state_at > now - reap_after:
                 break
             self._remove(peer, now)
 
-    def _advance(self, src: dict[int, None], dst: dict[int, None], state: PeerState,
-                 older_than: int, now: int) -> None:
-        # Both dicts stay ordered by fresh_at: peers leave src in that order and any
-        # peer with news goes to the end of the alive dict.
-        while src:
-            key = next(iter(src))
-            peer = self._peers[key]
-            if peer.fresh_at > older_than:
-                break
-            del src[key]
-            dst[key] = None
-            old, peer.state = peer.state, state
-            if state is PeerState.DEAD:
-                self._drop_live(key)
-            self._notify(peer, old, state, now)
-
-    def next_deadline(self, suspect_after: int, dead_after: int, reap_after: int) -> int | None:
-        """When the next sweep has something to do; None with no peer."""
-        best = None
-        peers = self._peers
-        for bucket, after in ((self._alive, suspect_after), (self._suspect, dead_after), (self._dead, reap_after)):
-            if bucket:
-                t = peers[next(iter(bucket))].fresh_at + after
-                if best is None or t < best:
-                    best = t
-        return best
+    def next_deadline(self, reap_after: int) -> int | None:
+        """When the next sweep has something to do; None with no dead peer."""
+        dead = self._dead
+        return self._peers[next(iter(dead))].state_at + reap_after if dead else None
 
     # --- targets ---------------------------------------------------------------------------
+
+    def live_keys(self) -> list[int]:
+        """The alive and suspect peers' keys (a copy)."""
+        return list(self._live)
 
     def sample_live(self, k: int, rng: random.Random) -> list[Peer]:
         live = self._live

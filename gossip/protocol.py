@@ -9,7 +9,7 @@ How news travels (docs/gossip.md has the figures):
 
 1. publish: the owner pushes its new version at once to `fanout` peers (to
    `urgent_fanout` for an urgent one), as a delta when it has a previous version, and
-   queues an announcement (node key, version, beat) of 20 bytes.
+   queues an announcement (node key, version, status and incarnation) of 20 bytes.
 2. rounds: every interval_ms, to `fanout` random live peers, compound datagrams of queued
    announcements, the node's own first, then least-sent first; each is sent at most
    RetransmitMult * ceil(log10(N + 1)) times by each node that has the content. A peer
@@ -24,11 +24,13 @@ How news travels (docs/gossip.md has the figures):
    announcements and gets the peer's in return (the same on join with the seeds, and now
    and then with a dead peer, which heals partitions).
 
-Every node sends each live peer a beat directly, once per beat_interval: its version,
-vouched for as of now. Peers judge liveness only by when they received a newer version,
-or any datagram from the node itself, by their own clock (a beat relayed by a third node
-says nothing about now); a peer that turns suspect is asked directly for a fresh beat
-(gossip/suspicion.py), so lost beats do not kill a live node.
+Liveness is SWIM's (gossip/probes.py): each period a node pings one peer, asks others to
+ping it when it does not answer, and suspects it when no one got an answer. Suspicions
+travel in the announcements (a status beside the version) and time out into deaths
+(gossip/suspicion.py) unless the suspect refutes them: it hears of them from the gossip
+and from the pings of those who suspect it, and answers with an incarnation only it can
+make (gossip/membership.py). A node stalled itself (a tick far later than asked
+for) pushes its own timers back instead of judging peers by time it did not see.
 
 Against a hostile network (docs/gossip.md, Security): a datagram is acted on only when
 its source address is proven (gossip/cookies.py) and its seq is fresh and new
@@ -62,7 +64,8 @@ from loadmesh.gossip.pulls import PullTracker
 from loadmesh.gossip.ratelimit import SourceLimiter, TokenBucket, source_key
 from loadmesh.gossip.replay import ReplayGuard
 from loadmesh.gossip.snapshot import LoadSnapshot, SnapshotError, encode
-from loadmesh.gossip.suspicion import Prober
+from loadmesh.gossip.probes import LocalHealth, Probe, ProbeOrder, Relay, Relays
+from loadmesh.gossip.suspicion import Suspicions
 from loadmesh.gossip.wire import DeltaRecord, FullRecord, Kind, WireError
 
 Outgoing = list[tuple[Addr, bytes]]
@@ -70,11 +73,29 @@ Outgoing = list[tuple[Addr, bytes]]
 # Keys of node ids seen: the same few thousand ids arrive again and again.
 node_key = functools.lru_cache(maxsize=65_536)(wire.node_key)
 
+# The bytes sent, by what they are for, by the kind byte of the header: the bench
+# splits the bytes so.
+_SENT_BY_KIND = {int(kind): "bytes_sent_" + purpose for kind, purpose in (
+    (Kind.GOSSIP, "announcements"), (Kind.SYNC, "syncs"), (Kind.PULL, "pulls"),
+    (Kind.CONTENT, "content"), (Kind.COOKIE, "cookies"), (Kind.PING, "liveness"),
+    (Kind.ACK, "liveness"), (Kind.PING_REQ, "liveness"))}
 # Counters that exist from the start, so that a scrape sees zeros rather than gaps.
 _BASE_COUNTERS = (
     "datagrams_sent", "bytes_sent", "datagrams_received", "bytes_received", "records_stored",
-    "pulls_sent", "urgent_relays", "syncs_sent", "beats_sent", "cookies_sent", "resent",
+    "pulls_sent", "urgent_relays", "syncs_sent", "cookies_sent", "resent", "pings_sent",
+    "acks_sent", "ping_reqs_sent", "nacks_sent", "suspicions", "refutations", "deaths_declared",
+    "stalls", *_SENT_BY_KIND.values(),
 )
+# A status as an announcement's last field carries it, above the incarnation.
+_SUSPECT, _ACCUSED, _DEAD = (status << wire.STATUS_SHIFT for status in (
+    wire.STATUS_SUSPECT, wire.STATUS_ACCUSED, wire.STATUS_DEAD))
+# Deaths and refutations are sent this many times the retransmit limit: a node that
+# misses a death holds the dead node as a suspect until its own suspicion runs out, up to
+# suspicion_max_mult times longer, and one that misses a refutation may declare a live
+# node dead. Both are rare (refutations are a lossy network's), so the bytes are little.
+_VERDICT_REPEATS = 3
+# The accuser of a suspicion heard second hand (node keys are hashes: none is 0).
+_SOMEONE = 0
 # At most this many datagrams kept to send again when a new address answers with a
 # cookie: first contacts only, so a few per peer joining at once.
 _MAX_PENDING = 256
@@ -146,12 +167,26 @@ class GossipCore:
         # daemon publishes above it (a previous incarnation's, or a forged one).
         self.newest_own_seen = 0
         self._relay_budget = TokenBucket(params.urgent_relays_per_s, 2 * params.urgent_relays_per_s)
-        self._timers_for = self._limit_for = -1
+        self._limit_for = -1
         self._limit = 0  # retransmit limit of an announcement, for the mesh's size
-        self._timer_values = (0, 0, 0, 0)
         self.counts: Counter[str] = Counter({name: 0 for name in _BASE_COUNTERS})
         self.pulls = PullTracker(params.pull_timeout_ms, params.pull_retries, params.max_peers)
-        self.prober = Prober(params.probe_interval_ms)
+        # SWIM: this period's probe, the order of the next ones, pings made for others,
+        # suspicions running, and how far this node trusts its own verdicts.
+        self.probe: Probe | None = None
+        self._probe_order = ProbeOrder(self.rng)
+        self._probe_seq = 0
+        self._next_probe = 0
+        self.relays = Relays()
+        self.suspicions = Suspicions()
+        self.health = LocalHealth(params.health_max)
+        # Suspects this node accused, and when it pings each again (saying it is
+        # suspected) while the suspicion runs: a refutation lost on the way back to an
+        # accuser would otherwise let it declare a live node dead.
+        self._rechecks: dict[int, int] = {}
+        self._refuted_at = -params.probe_interval_ms
+        # The deadline last given to the driver: a call much later means this node stalled.
+        self._due: int | None = None
         self._seeds: list[Addr] = []
         self._entry_cap = wire.entry_capacity(params.max_datagram)
         self._want_cap = wire.want_capacity(params.max_datagram)
@@ -161,15 +196,9 @@ class GossipCore:
         self._own_urgent = False
         self._own_prev_version = -1
         self._own_delta: bytes | None = None
-        self._own_beat = 0
+        self._own_inc = 0
         self._own_changes = 0
-        self._published_at = 0
         self._own_moved_at = 0
-        # Live peers in the order they get direct beats, and the next one's index.
-        self._beat_order: list[int] = []
-        self._beat_next = 0
-        self._beat_credit = 0.0  # beats owed since the last round, fraction included
-        self._beats_at = 0
         self._now: int | None = None
         self._next_round = self._next_push_pull = self._next_dead_sync = self._next_join = 0
 
@@ -180,46 +209,55 @@ class GossipCore:
             p = self.params
             # A random phase, so that nodes started together do not gossip in step.
             self._next_round = now + int(self.rng.uniform(0, p.interval_ms))
+            self._next_probe = now + int(self.rng.uniform(0, p.probe_interval_ms))
             self._next_push_pull = now + int(p.push_pull_interval_ms * self.rng.uniform(0.5, 1.5))
             self._next_dead_sync = now + p.dead_sync_interval_ms
             self._next_join = now + p.join_retry_ms
-            self._beats_at = now
         elif now < self._now:
             now = self._now  # a driver's clock must not go back; the table relies on it
+        elif self._due is not None and now > self._due + self.params.stall_ms:
+            self._stalled(now - self._due)
+        self._due = None
         self._now = now
         return now
 
-    def _timers(self) -> tuple[int, int, int, int]:
-        """beat, suspect, dead, reap: scaled with the mesh (GossipParams.beat_scale and
-        timer_scale)."""
-        n = self.table.live_count + 1
-        if n != self._timers_for:
-            p = self.params
-            s = p.timer_scale(n)
-            self._timers_for = n
-            self._timer_values = (int(p.beat_interval_ms * p.beat_scale(n)), int(p.suspect_after_ms * s),
-                                  int(p.dead_after_ms * s), p.reap_after_ms)
-        return self._timer_values
+    def _stalled(self, ms: int) -> None:
+        """This node was not run for `ms` when it had something to do (a stalled event
+        loop, a starved process). Answers to its probes and refutations of its suspicions
+        may be waiting unread in its socket: its own timers move on by the stall, rather
+        than count time it did not see against its peers, and it trusts itself less."""
+        self.counts["stalls"] += 1
+        self.health.change(1)
+        self.suspicions.postpone(ms)
+        self.relays.postpone(ms)
+        self._next_probe += ms
+        probe = self.probe
+        if probe is not None:
+            probe.indirect_at += ms
+            probe.ends_at += ms
 
     def next_deadline(self) -> int:
         """When on_tick next has something to do (ms, the driver's clock)."""
-        _, suspect, dead, reap = self._timers()
         t = min(self._next_round, self._next_push_pull, self._next_dead_sync)
-        sweep = self.table.next_deadline(suspect, dead, reap)
-        if sweep is not None and sweep < t:
-            t = sweep
-        for other in (self.pulls.next_deadline(), self.prober.next_deadline()):
+        probe = self.probe
+        if probe is None:
+            t = min(t, self._next_probe)
+        else:
+            t = min(t, probe.ends_at if probe.acked or probe.helpers else probe.indirect_at)
+        recheck = min(self._rechecks.values()) if self._rechecks else None
+        for other in (self.table.next_deadline(self.params.reap_after_ms), self.pulls.next_deadline(),
+                      self.suspicions.next_deadline(), self.relays.next_deadline(), recheck):
             if other is not None and other < t:
                 t = other
         if self._seeds and self._next_join < t and self.table.live_count == 0:
             t = self._next_join
+        self._due = t
         return t
 
     def on_tick(self, now_ms: int) -> Outgoing:
         now = self._clock(now_ms)
         p = self.params
-        beat, suspect, dead, reap = self._timers()
-        self.table.sweep(now, suspect, dead, reap)
+        self.table.sweep(now, p.reap_after_ms)
         out: Outgoing = []
         again: dict[Addr, list[tuple[int, int]]] = {}
         due, abandoned = self.pulls.due(now)
@@ -230,20 +268,28 @@ class GossipCore:
             # stand above every real version (one datagram could otherwise wedge a node)
             # and the next announcement of it starts a pull again.
             peer = self.table.get(key)
-            if peer is not None and self.table.rewind_key(peer):
+            if peer is not None and self.table.rewind_version(peer):
                 self.counts["keys_rewound"] += 1
         for addr, wants in again.items():
             self.counts["pull_retries"] += len(wants)
             out += self._pull(addr, wants)
-        for key in self.prober.due(now):
+        out += self._probing(now)
+        for key, at in list(self._rechecks.items()):
             peer = self.table.get(key)
-            if peer is not None and peer.state is PeerState.SUSPECT:
-                self.counts["probes_sent"] += 1
-                out += self._pull(peer.gossip_addr, [(key, peer.snapshot.version)])
+            if peer is None or peer.state is not PeerState.SUSPECT:
+                del self._rechecks[key]
+            elif at <= now:
+                self._rechecks[key] = now + self.health.scale(p.probe_interval_ms)
+                out += self._ping(peer, self._new_probe_seq())
+        for relay in self.relays.due(now):
+            self.counts["nacks_sent"] += 1
+            out += self._count_sent([(relay.requester, self._seal(
+                Kind.ACK, relay.requester, wire.pack_ack(relay.seq, None), wire.FLAG_NACK))])
+        for key, accusers in self.suspicions.due(now):
+            out += self._suspicion_ran_out(key, accusers, now)
         if now >= self._next_round:
             self._next_round = now + int(p.interval_ms * self.rng.uniform(1 - p.jitter, 1 + p.jitter))
             out += self._round()
-            out += self._beats(now, beat)
         if now >= self._next_push_pull:
             self._next_push_pull = now + p.push_pull_ms(self.table.live_count + 1)
             targets = self.table.sample_live(1, self.rng)
@@ -258,13 +304,235 @@ class GossipCore:
             out += self._join_seeds(now)
         return out
 
+    # --- SWIM: probing, suspicion, refutation --------------------------------------------
+
+    def _probing(self, now: int) -> Outgoing:
+        """This period's probe: ask helpers when the target is slow, judge it at the
+        period's end, then start the next period's."""
+        out: Outgoing = []
+        probe = self.probe
+        if probe is not None:
+            if not probe.acked and not probe.helpers and now >= probe.indirect_at:
+                out += self._ask_helpers(probe)
+            if now >= probe.ends_at:
+                self.probe = None
+                out += self._verdict(probe, now)
+        if self.probe is None and now >= self._next_probe:
+            out += self._start_probe(now)
+        return out
+
+    def _start_probe(self, now: int) -> Outgoing:
+        p, health = self.params, self.health
+        self._next_probe = now + health.scale(p.probe_interval_ms)
+        get = self.table.get
+        key = self._probe_order.next(self.table.live_keys,
+                                     lambda k: (peer := get(k)) is not None and peer.state is not PeerState.DEAD)
+        if key is None:
+            return []
+        peer = get(key)
+        assert peer is not None
+        seq = self._new_probe_seq()
+        self.probe = Probe(key, seq, now, now + health.scale(p.probe_timeout_ms), self._next_probe)
+        return self._ping(peer, seq)
+
+    def _new_probe_seq(self) -> int:
+        self._probe_seq = (self._probe_seq + 1) & wire.MAX_U32
+        return self._probe_seq
+
+    def _ping(self, peer: Peer, seq: int) -> Outgoing:
+        """A ping; one to a peer this node suspects says so (Lifeguard's buddy system), so
+        that a live suspect learns of it at once and refutes."""
+        flags = wire.FLAG_SUSPECTED if peer.state is PeerState.SUSPECT else 0
+        self.counts["pings_sent"] += 1
+        addr = peer.gossip_addr
+        return self._count_sent([(addr, self._seal(Kind.PING, addr, wire.pack_ping(seq), flags))])
+
+    def _ask_helpers(self, probe: Probe) -> Outgoing:
+        helpers = [peer for peer in self.table.sample_live(self.params.indirect_checks + 1, self.rng)
+                   if peer.key != probe.target][:self.params.indirect_checks]
+        probe.helpers = len(helpers)
+        if not helpers:
+            probe.indirect_at = probe.ends_at  # nobody to ask: wait for the verdict
+            return []
+        body = wire.pack_ping_req(probe.seq, probe.target)
+        self.counts["ping_reqs_sent"] += len(helpers)
+        return self._count_sent([(peer.gossip_addr, self._seal(Kind.PING_REQ, peer.gossip_addr, body))
+                                 for peer in helpers])
+
+    def _verdict(self, probe: Probe, now: int) -> Outgoing:
+        health = self.health
+        if probe.acked:
+            health.change(-1)
+            return []
+        # Helpers that did not even nack: this node's own network or CPU is the likelier
+        # culprit (Lifeguard); with no helper to ask, the failure counts once.
+        health.change(probe.helpers - probe.nacks if probe.helpers else 1)
+        peer = self.table.get(probe.target)
+        if peer is None or peer.state is PeerState.DEAD:
+            return []
+        return self._accuse(peer, now)
+
+    def _accuse(self, peer: Peer, now: int) -> Outgoing:
+        """This node could not reach `peer`, directly or through others: it suspects it
+        (or corroborates a suspicion already running), says so in its announcements, and
+        tells the suspect itself, which may be alive and able to refute."""
+        if self.table.suspect(peer, now):
+            self.counts["suspicions"] += 1
+            shortest, longest, expected = self.params.suspicion_ms(self.table.live_count + 1)
+            self.suspicions.start(peer.key, self.key, now, shortest, longest, expected)
+        else:
+            self.suspicions.confirm(peer.key, self.key)
+        self._rechecks[peer.key] = now + self.health.scale(self.params.probe_interval_ms)
+        entry = (peer.key, peer.version, peer.incarnation | _ACCUSED)
+        self._announce(*entry)
+        addr = peer.gossip_addr
+        return self._count_sent([(addr, self._seal(Kind.GOSSIP, addr, wire.pack_entries([entry])))])
+
+    def _suspicion_ran_out(self, key: int, accusers: set[int], now: int) -> Outgoing:
+        """Only a node that failed to reach the suspect itself declares it dead: the
+        suspect refutes to whoever tells it of a suspicion, first of all its accusers,
+        while a suspicion only heard of may outrun the refutation on a lossy network. A
+        node that only heard of it pings the suspect once (saying it is suspected) and
+        gives it one more probe period; no answer makes it an accuser."""
+        peer = self.table.get(key)
+        if peer is None or peer.state is not PeerState.SUSPECT:
+            return []
+        if self.key in accusers:
+            return self._declare_dead(key, now)
+        wait = self.health.scale(self.params.probe_interval_ms)
+        self.suspicions.start(key, self.key, now, wait, wait, 0)
+        self._rechecks[key] = now + wait
+        return self._ping(peer, self._new_probe_seq())
+
+    def _declare_dead(self, key: int, now: int) -> Outgoing:
+        """A suspicion ran out unrefuted: dead, and the news pushed at once."""
+        peer = self.table.get(key)
+        if peer is None or not self.table.bury(peer, now):
+            return []
+        self.counts["deaths_declared"] += 1
+        entry = (key, peer.version, peer.incarnation | _DEAD)
+        self._announce(*entry, _VERDICT_REPEATS)
+        return self._push_entry(entry, self.params.urgent_fanout)
+
+    def _hear_status(self, peer: Peer, status: int, sender: int, now: int, out: Outgoing) -> None:
+        """A peer's status as another node holds it, under the incarnation this node
+        holds. A death is relayed on first receipt, like an urgent version: routing
+        must stop sending to the dead node everywhere at once."""
+        if status == wire.STATUS_DEAD:
+            if self.table.bury(peer, now):
+                entry = (peer.key, peer.version, peer.incarnation | _DEAD)
+                self._announce(*entry, _VERDICT_REPEATS)
+                if self._relay_budget.take(now):
+                    out += self._push_entry(entry, self.params.urgent_fanout)
+            return
+        if self.table.suspect(peer, now):
+            self.counts["suspicions"] += 1
+            shortest, longest, expected = self.params.suspicion_ms(self.table.live_count + 1)
+            # A relayed suspicion names no accuser, but someone other than this node
+            # made it: it counts as one, so that this node's own failed probe corroborates it.
+            self.suspicions.start(peer.key, sender if status == wire.STATUS_ACCUSED else _SOMEONE, now,
+                                  shortest, longest, expected)
+            self._announce(peer.key, peer.version, peer.incarnation | _SUSPECT)
+        elif status == wire.STATUS_ACCUSED and peer.state is PeerState.SUSPECT:
+            self.suspicions.confirm(peer.key, sender)
+
+    def _incarnation_now(self, now: int) -> int:
+        return (now + self.wall_offset_ms - wire.INCARNATION_EPOCH_MS) // 1000
+
+    def _refute(self, accused: int, teller: Addr, now: int) -> Outgoing:
+        """`teller` holds this node suspect or dead under incarnation `accused`: a greater
+        one, announced, pushed at once to urgent_fanout peers and to the teller (at most
+        once a probe period: one refutation answers every suspicion of the incarnation
+        it replaces; a teller still behind it gets the current one alone)."""
+        own = self._own
+        if own is None:
+            return []
+        if accused >= self._own_inc and now - self._refuted_at >= self.params.probe_interval_ms:
+            self._refuted_at = now
+            self.counts["refutations"] += 1
+            self.health.change(1)
+            self._own_inc = min(max(accused + 1, self._incarnation_now(now)), wire.INCARNATION_MAX)
+            self._own_moved_at = now
+            entry = (self.key, own.version, self._own_inc)
+            self._announce(*entry, _VERDICT_REPEATS)
+            out = self._push_entry(entry, self.params.urgent_fanout)
+        else:
+            entry, out = (self.key, own.version, self._own_inc), []
+        if all(addr != teller for addr, _ in out):
+            out += self._count_sent([(teller, self._seal(Kind.GOSSIP, teller, wire.pack_entries([entry])))])
+        return out
+
+    def _push_entry(self, entry: tuple[int, int, int], fanout: int) -> Outgoing:
+        body = wire.pack_entries([entry])
+        return self._count_sent([(peer.gossip_addr, self._seal(Kind.GOSSIP, peer.gossip_addr, body))
+                                 for peer in self.table.sample_live(fanout, self.rng)])
+
+    def _on_ping(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
+        own = self._own
+        if own is None:
+            return []  # nothing published yet: no peer holds this node to probe it
+        # The ack below carries the refuting incarnation to the pinger.
+        out = self._refute(self._own_inc, addr, now) if dg.flags & wire.FLAG_SUSPECTED else []
+        self.counts["acks_sent"] += 1
+        body = wire.pack_ack(wire.unpack_ping(dg.body), (self.key, own.version, self._own_inc))
+        return out + self._count_sent([(addr, self._seal(Kind.ACK, addr, body))])
+
+    def _on_ping_req(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
+        """Ping `target` for the sender; its ack goes back to the sender, or a nack when
+        none comes within a probe timeout."""
+        seq, target = wire.unpack_ping_req(dg.body)
+        peer = self.table.get(target)
+        if peer is None or peer.state is PeerState.DEAD:
+            self.counts["nacks_sent"] += 1
+            return self._count_sent([(addr, self._seal(Kind.ACK, addr, wire.pack_ack(seq, None), wire.FLAG_NACK))])
+        mine = self._new_probe_seq()
+        if not self.relays.add(mine, Relay(addr, seq, target, now + self.params.probe_timeout_ms)):
+            return self._drop("relays_full")
+        return self._ping(peer, mine)
+
+    def _on_ack(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
+        seq, entry = wire.unpack_ack(dg.body)
+        probe = self.probe
+        if probe is not None and seq == probe.seq:
+            if entry is None:
+                if dg.flags & wire.FLAG_NACK:
+                    probe.nacks += 1
+                return []
+            if entry[0] != probe.target:
+                return self._drop("unexpected_ack")
+            probe.acked = True
+            return self._heard_from_probe(entry, dg.sender, addr, now)
+        relay = self.relays.take(seq) if entry is not None else None
+        if relay is None or entry is None or entry[0] != relay.target or dg.sender != relay.target:
+            if relay is not None:
+                self.relays.add(seq, relay)  # not the target's answer: keep waiting for it
+            return self._drop("unexpected_ack")
+        # The target answered the ping made for another node: pass its answer on.
+        self.counts["acks_sent"] += 1
+        out = self._count_sent([(relay.requester, self._seal(
+            Kind.ACK, relay.requester, wire.pack_ack(relay.seq, entry)))])
+        return out + self._heard_from_probe(entry, dg.sender, addr, now)
+
+    def _heard_from_probe(self, entry: tuple[int, int, int], sender: int, addr: Addr, now: int) -> Outgoing:
+        """A probed node's own announcement, straight from it or through a helper: alive
+        now, and a version to pull if it is ahead."""
+        key, version, raw = entry
+        peer = self.table.get(key)
+        out: Outgoing = []
+        # A version it is ahead by is pulled from it, not from a helper that relayed it.
+        src = peer.gossip_addr if peer is not None else addr
+        wants = self._absorb([(key, version, raw & wire.INCARNATION_MAX)], sender, src, now, out)
+        if peer is not None and peer.state is not PeerState.ALIVE:
+            self.table.touch(peer, now)
+        return self._pull(src, wants) + out
+
     # --- what the owner does ---------------------------------------------------------------
 
     def publish(self, snapshot: LoadSnapshot, urgent: bool, now_ms: int) -> Outgoing:
         """Make `snapshot` this node's own; the datagrams that push it at once.
 
         The version must not go back. The same version again, with the same content,
-        changes nothing: beats go out on their own timer."""
+        changes nothing."""
         now = self._clock(now_ms)
         if snapshot.node_id != self.node_id:
             raise ValueError(f"snapshot of {snapshot.node_id!r} published by {self.node_id!r}")
@@ -284,75 +552,24 @@ class GossipCore:
             self._own_delta = self.codec.diff(self._own_content, content)
         self._own, self._own_content, self._own_urgent = snapshot, content, urgent
         self._own_changes += 1
-        self._own_beat = 0
-        self._published_at = self._own_moved_at = now
-        self._announce(self.key, snapshot.version, 0)
+        if self._own_inc == 0:
+            # Above any incarnation of a previous run of this node (the clock moved on).
+            self._own_inc = min(self._incarnation_now(now), wire.INCARNATION_MAX)
+        self._own_moved_at = now
+        self._announce(self.key, snapshot.version, self._own_inc)
         fanout = self.params.urgent_fanout if urgent else self.params.fanout
         targets = [peer.gossip_addr for peer in self.table.sample_live(fanout, self.rng)]
         record = self._own_record(self._own_prev_version)
         return self._content_to(targets, [record]) if record else []
 
-    def _vouch(self, now: int) -> None:
-        """This node's version, vouched for as of now: the beat that goes out next."""
-        assert self._own is not None
-        self._own_beat = max(self._own_beat, min(now - self._published_at, wire.MAX_U32))
-        self._own_moved_at = now
-
-    def _beats(self, now: int, beat: int) -> Outgoing:
-        """Beats, sent by the owner straight to each live peer, once per beat interval.
-
-        Each round takes the next share of a fixed order of the live peers (new peers
-        join its end): live / beat per ms since the last round, the fraction carried
-        over, so a peer hears a beat every beat interval, steadily. A beat
-        relayed by gossip would reach each node about R times over; sent directly it
-        reaches it once, costs one small datagram, and stops at once when this node
-        dies, which is what failure detection waits for. Beats go on while a new
-        version spreads: they also tell a node that missed its announcements.
-        """
-        elapsed, self._beats_at = now - self._beats_at, now
-        live = self.table.live_count
-        if self._own is None or live == 0:
-            self._beat_credit = 0.0
-            return []
-        self._beat_credit = min(self._beat_credit + live * elapsed / beat, live)
-        share = int(self._beat_credit)
-        if share == 0:
-            return []
-        self._beat_credit -= share
-        self._vouch(now)
-        body = wire.pack_entries([(self.key, self._own.version, self._own_beat)])
-        out: Outgoing = []
-        refilled = False
-        while len(out) < share:
-            if self._beat_next >= len(self._beat_order):
-                if refilled:
-                    break  # fewer live peers than the share: each got its beat
-                self._refill_beat_order()
-                refilled = True
-                continue
-            peer = self.table.get(self._beat_order[self._beat_next])
-            self._beat_next += 1
-            if peer is not None and peer.state is not PeerState.DEAD:
-                out.append((peer.gossip_addr, self._seal(Kind.GOSSIP, peer.gossip_addr, body)))
-        self.counts["beats_sent"] += len(out)
-        return self._count_sent(out)
-
-    def _refill_beat_order(self) -> None:
-        """The next pass: the same order for the peers still there, new live ones after
-        them in random order, so each peer's beats stay one interval apart."""
-        kept = [k for k in self._beat_order if (p := self.table.get(k)) is not None and p.state is not PeerState.DEAD]
-        have = set(kept)
-        new = [p.key for p in self.table.sample_live(self.table.live_count, self.rng) if p.key not in have]
-        self._beat_order = kept + new
-        self._beat_next = 0
-
-    def _announce(self, key: int, version: int, beat: int) -> None:
-        """Queue (key, version, beat) for the rounds, to be sent `retransmit_limit` times."""
+    def _announce(self, key: int, version: int, tail: int, repeats: int = 1) -> None:
+        """Queue (key, version, status << 30 | incarnation) for the rounds, to be sent
+        `retransmit_limit` times (`repeats` times that)."""
         n = self.table.live_count + 1
         if n != self._limit_for:
             self._limit_for = n
             self._limit = self.params.retransmit_limit(n)
-        self.queue.put(key, version, beat, self._limit)
+        self.queue.put(key, version, tail, self._limit * repeats)
 
     def _own_record(self, have: int) -> bytes | None:
         own = self._own
@@ -360,9 +577,9 @@ class GossipCore:
             return None
         flags = wire.RECORD_URGENT if self._own_urgent else 0
         if have == self._own_prev_version and self._own_delta is not None:
-            return wire.pack_delta(flags, self.key, have, own.version, self._own_beat,
+            return wire.pack_delta(flags, self.key, have, own.version, self._own_inc,
                                    zlib.crc32(self._own_content), self._own_delta)
-        return wire.pack_full(flags, self._own_beat, self.advertise, self._own_content)
+        return wire.pack_full(flags, self._own_inc, self.advertise, self._own_content)
 
     # --- joining -------------------------------------------------------------------------
 
@@ -417,16 +634,26 @@ class GossipCore:
             peer = self.table.get(dg.sender)
             if peer is not None:
                 # A proven, fresh datagram from the node itself: it is alive and
-                # receives here, whatever key its peers hold for it.
+                # receives here, whatever key its peers hold for it; and it answers
+                # this period's probe of it, whatever kind it is.
                 peer.observed = addr
                 self.table.touch(peer, now)
                 self.table.anchor(peer, source_key(addr))
-            if dg.kind is Kind.GOSSIP:
+                if self.probe is not None and self.probe.target == dg.sender:
+                    self.probe.acked = True
+            kind = dg.kind
+            if kind is Kind.GOSSIP:
                 return self._on_gossip(dg, addr, now)
-            if dg.kind is Kind.SYNC:
+            if kind is Kind.SYNC:
                 return self._on_sync(dg, addr, now)
-            if dg.kind is Kind.PULL:
+            if kind is Kind.PULL:
                 return self._on_pull(dg, addr, now)
+            if kind is Kind.PING:
+                return self._on_ping(dg, addr, now)
+            if kind is Kind.ACK:
+                return self._on_ack(dg, addr, now)
+            if kind is Kind.PING_REQ:
+                return self._on_ping_req(dg, addr, now)
             return self._on_content(dg, len(data), addr, now)
         except WireError as e:
             return self._drop(e.reason)
@@ -453,7 +680,8 @@ class GossipCore:
 
     def _on_gossip(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
         entries = list(wire.unpack_entries(dg.body))
-        out = self._pull(addr, self._absorb(entries, dg.sender, addr, now))
+        out: Outgoing = []
+        out = self._pull(addr, self._absorb(entries, dg.sender, addr, now, out)) + out
         if dg.flags & wire.FLAG_REPLY:
             # Push-pull rumour mongering: answer a round's contact with this node's own
             # queued news, less what the contact just sent. Each entry still goes out at
@@ -467,44 +695,59 @@ class GossipCore:
 
     def _known_to_sender(self, entries: list[tuple[int, int, int]]) -> set[int]:
         """The nodes whose latest news the sender of `entries` already has."""
-        get, own_key = self.table.get, self.key
+        get, own_key, mask = self.table.get, self.key, wire.INCARNATION_MAX
         known = set()
-        for k, v, b in entries:
+        for k, v, i in entries:
+            i &= mask
             if k == own_key:
-                if self._own is not None and (v, b) >= (self._own.version, self._own_beat):
+                if self._own is not None and v >= self._own.version and i >= self._own_inc:
                     known.add(k)
-            elif (peer := get(k)) is not None and (v, b) >= (peer.version, peer.beat):
+            elif (peer := get(k)) is not None and v >= peer.version and i >= peer.incarnation:
                 known.add(k)
         return known
 
     def _absorb(self, entries: Iterable[tuple[int, int, int]], sender: int, addr: Addr,
-                now: int) -> list[tuple[int, int]]:
-        """Take the news in announcements from `sender`; the (key, version held) to pull."""
+                now: int, out: Outgoing) -> list[tuple[int, int]]:
+        """Take the news in announcements from `sender`; the (key, version held) to pull.
+        A refutation of a suspicion of this node goes into `out`."""
         wants: list[tuple[int, int]] = []
         table, get, own_key = self.table, self.table.get, self.key
         ceiling = self._ceiling(now)
-        for k, v, b in entries:
+        mask, shift = wire.INCARNATION_MAX, wire.STATUS_SHIFT
+        inc_ceiling = self._incarnation_now(now) + self.params.max_clock_skew_ms // 1000
+        for k, v, raw in entries:
+            inc, status = raw & mask, raw >> shift
+            if v > ceiling or inc > inc_ceiling:
+                self.counts["drop_implausible"] += 1
+                continue
             peer = get(k)
             if peer is not None:
-                known = peer.version
                 held = peer.snapshot.version
-                if v < known or (v == known and b <= peer.beat):
-                    # Old news, by far the most common case. Under a key that ran ahead
-                    # of the content (announced, never served), a version above the
-                    # content is still worth a pull.
+                if v <= peer.version and inc <= peer.incarnation:
+                    # Old news, by far the most common case. Under a version that ran
+                    # ahead of the content (announced, never served), a version above
+                    # the content is still worth a pull.
                     if v > held and self.pulls.want(k, v, held, addr, now):
                         wants.append((k, held))
+                    if status and inc == peer.incarnation:
+                        self._hear_status(peer, status, sender, now, out)
                     continue
-                if v > ceiling or (v == held and peer.snapshot.timestamp_ms + b > ceiling):
-                    self.counts["drop_implausible"] += 1
-                    continue
-                table.merge_key(peer, v, b, now, k == sender)
+                was = peer.state
+                table.merge_key(peer, v, inc, now, k == sender)
                 if v > held and self.pulls.want(k, v, held, addr, now):
                     wants.append((k, held))
-            elif v > ceiling:
-                self.counts["drop_implausible"] += 1
+                if status:
+                    if inc == peer.incarnation:
+                        self._hear_status(peer, status, sender, now, out)
+                elif was is not PeerState.ALIVE and peer.state is PeerState.ALIVE:
+                    # A refutation: spread it, or the rest of the mesh times it out.
+                    self._announce(k, peer.version, peer.incarnation, _VERDICT_REPEATS)
             elif k == own_key:
                 self._own_seen(v)
+                if status:
+                    out += self._refute(inc, addr, now)
+                elif inc > self._own_inc:
+                    self._own_inc = inc  # a previous run's, in the same second: go on from it
             elif (self._room_for_new(source_key(addr) if k == sender else None)
                   and self.pulls.want(k, v, 0, addr, now)):
                 wants.append((k, 0))
@@ -544,26 +787,13 @@ class GossipCore:
 
     def _on_pull(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
         self.counts["pulls_served"] += 1
-        records = []
-        probed = False
-        for key, have in wire.unpack_wants(dg.body):
-            if key == self.key and self._own is not None:
-                # Vouch for this node's version as of now, in whatever answers.
-                self._vouch(now)
-                # A probe: the asker holds the latest version and suspects this node.
-                probed = have >= self._own.version
-            record = self._record_for(key, have)
-            if record is not None:
-                records.append(record)
-        out = self._content_to([addr], records)
-        if probed and self._own is not None:
-            entry = wire.pack_entries([(self.key, self._own.version, self._own_beat)])
-            out += self._count_sent([(addr, self._seal(Kind.GOSSIP, addr, entry))])
-        return out
+        records = [r for key, have in wire.unpack_wants(dg.body) if (r := self._record_for(key, have))]
+        return self._content_to([addr], records)
 
     def _on_sync(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
         entries = list(wire.unpack_entries(dg.body))
-        out = self._pull(addr, self._absorb(entries, dg.sender, addr, now))
+        out: Outgoing = []
+        out = self._pull(addr, self._absorb(entries, dg.sender, addr, now, out)) + out
         # What the sender is behind on, among the nodes it listed.
         records = [r for k, v, _ in entries if (r := self._record_for(k, v))]
         out += self._content_to([addr], records)
@@ -603,7 +833,7 @@ class GossipCore:
         peer = self.table.get(key)
         if peer is not None and peer.node_id != snap.node_id:
             return self._drop("key_collision")
-        return self._store(key, snap, rec.content, rec.beat, rec.addr, rec.flags, None, key == sender, addr, now,
+        return self._store(key, snap, rec.content, rec.incarnation, rec.addr, rec.flags, None, key == sender, addr, now,
                            wants)
 
     def _absorb_delta(self, rec: DeltaRecord, sender: int, addr: Addr, now: int,
@@ -630,16 +860,16 @@ class GossipCore:
             if self.pulls.want(rec.key, rec.version, held, addr, now):
                 wants.append((rec.key, held))
             return self._drop("bad_delta")
-        return self._store(rec.key, snap, content, rec.beat, peer.addr, rec.flags, rec.changes, rec.key == sender,
+        return self._store(rec.key, snap, content, rec.incarnation, peer.addr, rec.flags, rec.changes, rec.key == sender,
                            addr, now, wants)
 
-    def _store(self, key: int, snap: LoadSnapshot, content: bytes, beat: int, owner_addr: Addr,
+    def _store(self, key: int, snap: LoadSnapshot, content: bytes, incarnation: int, owner_addr: Addr,
                flags: int, delta: bytes | None, direct: bool, src: Addr, now: int,
                wants: list[tuple[int, int]]) -> Outgoing:
         ceiling = self._ceiling(now)
         if snap.timestamp_ms > ceiling:
             return self._drop("future")
-        if snap.timestamp_ms + beat > ceiling:
+        if incarnation > self._incarnation_now(now) + self.params.max_clock_skew_ms // 1000:
             return self._drop("implausible")
         before = self.table.get(key)
         held = before.snapshot.version if before is not None else 0
@@ -647,13 +877,13 @@ class GossipCore:
         if before is None and not self._room_for_new(anchor):
             return []
         urgent = bool(flags & wire.RECORD_URGENT)
-        peer = self.table.merge_content(key, snap, content, beat, owner_addr, urgent, now, delta, direct, anchor)
+        peer = self.table.merge_content(key, snap, content, incarnation, owner_addr, urgent, now, delta, direct, anchor)
         if peer is None:
             return []
         self.counts["records_stored"] += 1
         self.pulls.done(key, snap.version)
         if peer.version == snap.version:
-            self._announce(key, snap.version, peer.beat)
+            self._announce(key, snap.version, peer.incarnation)
         elif self.pulls.want(key, peer.version, snap.version, src, now):
             wants.append((key, snap.version))
         if self.observer is not None:
@@ -680,13 +910,12 @@ class GossipCore:
 
     def _peer_record(self, peer: Peer, have: int) -> bytes:
         flags = wire.RECORD_URGENT if peer.urgent else 0
-        beat = peer.beat if peer.version == peer.snapshot.version else 0
         if have == peer.prev_version and have > 0:
             changes = peer.delta or self.codec.diff(peer.prev_content, peer.content)
             if changes is not None:
-                return wire.pack_delta(flags, peer.key, have, peer.snapshot.version, beat,
+                return wire.pack_delta(flags, peer.key, have, peer.snapshot.version, peer.incarnation,
                                        zlib.crc32(peer.content), changes)
-        return wire.pack_full(flags, beat, peer.addr, peer.content)
+        return wire.pack_full(flags, peer.incarnation, peer.addr, peer.content)
 
     def _content_to(self, targets: Sequence[Addr], records: list[bytes]) -> Outgoing:
         if not records or not targets:
@@ -698,11 +927,11 @@ class GossipCore:
         """This node's whole table as announcements of what it can serve (sync)."""
         entries = []
         if self._own is not None:
-            entries.append((self.key, self._own.version, self._own_beat))
+            entries.append((self.key, self._own.version, self._own_inc))
         for peer in self.table:
             if peer.state is not PeerState.DEAD:
-                beat = peer.beat if peer.version == peer.snapshot.version else 0
-                entries.append((peer.key, peer.snapshot.version, beat))
+                status = _SUSPECT if peer.state is PeerState.SUSPECT else 0
+                entries.append((peer.key, peer.snapshot.version, peer.incarnation | status))
         flags = wire.FLAG_REPLY if reply else 0
         cap = self._entry_cap
         # An empty table still sends one (empty) sync: it asks for the peer's digest.
@@ -744,7 +973,9 @@ class GossipCore:
     def _count_sent(self, out: Outgoing) -> Outgoing:
         counts = self.counts
         counts["datagrams_sent"] += len(out)
-        counts["bytes_sent"] += sum(len(d) for _, d in out)
+        for _, d in out:
+            counts["bytes_sent"] += len(d)
+            counts[_SENT_BY_KIND[d[3]]] += len(d)
         return out
 
     def _on_state(self, peer: Peer, old: PeerState | None, new: PeerState | None, now: int) -> None:
@@ -757,10 +988,11 @@ class GossipCore:
             self._next_push_pull = min(self._next_push_pull, now + self.params.join_retry_ms)
         if new is None:
             self.pulls.forget(peer.key)
-        if new is PeerState.SUSPECT:
-            self.prober.suspect(peer.key, now)
-        else:
-            self.prober.clear(peer.key)
+        if new is not PeerState.SUSPECT:
+            self.suspicions.clear(peer.key)
+            self._rechecks.pop(peer.key, None)
+        if new is PeerState.ALIVE and old in (None, PeerState.DEAD):
+            self._probe_order.add(peer.key)
         if self.observer is not None:
             self.observer.state(peer, old, new, now)
 

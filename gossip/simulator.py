@@ -40,6 +40,7 @@ from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import Peer, PeerState
 from loadmesh.gossip.protocol import GossipCore, Outgoing, node_key
 from loadmesh.gossip.snapshot import encode
+from loadmesh.gossip.wire import Kind
 from loadmesh.gossip.workload import TICK_MS, WALL_EPOCH_MS, NodeLoad
 
 _START, _TICK, _DELIVER, _LOAD, _KILL = range(5)
@@ -47,6 +48,9 @@ _SEEDS = 3
 _START_SPREAD_MS = 1000
 _COOLDOWN_MS = 5000
 _KEY = bytes(range(32))
+# What each kind of datagram is for, in the bytes split.
+_PURPOSES = {"liveness": (Kind.PING, Kind.ACK, Kind.PING_REQ), "announcements": (Kind.GOSSIP,),
+             "content": (Kind.CONTENT,), "pulls": (Kind.PULL,), "syncs": (Kind.SYNC, Kind.COOKIE)}
 
 
 @dataclass(slots=True)
@@ -144,6 +148,7 @@ class _Simulation:
         self.tick_at = [math.inf] * nodes
         self.sent = [0] * nodes
         self.window_bytes = 0
+        self.window_by_kind = [0] * 256  # bytes by the header's kind byte
         self.window_news = 0
         self.last_content: list[bytes | None] = [None] * nodes
         self.max_datagram = 0
@@ -177,6 +182,7 @@ class _Simulation:
                 self.max_datagram = size
             if in_window:
                 self.window_bytes += size
+                self.window_by_kind[data[3]] += size
             dst = self.index.get(addr)
             if dst is None or self.dead[dst]:
                 continue
@@ -314,6 +320,8 @@ class _Simulation:
             "convergence_p99_s": _round(_percentile(times, 0.99)),
             "urgent_p99_s": _round(_percentile(urgent_times, 0.99)),
             "bytes_per_node_per_s": round(self.window_bytes / live_seconds) if live_seconds > 0 else None,
+            "bytes_by_purpose": {purpose: round(sum(self.window_by_kind[k] for k in kinds) / live_seconds)
+                                 for purpose, kinds in _PURPOSES.items()} if live_seconds > 0 else None,
             "content_floor_bytes_per_node_per_s": round(self.window_news * (live - 1) / live / window_s),
             "max_datagram_bytes": self.max_datagram,
             "false_dead": len(m.false_dead),

@@ -2,9 +2,10 @@
 
     offset  size
     0       2    magic "LM"
-    2       1    protocol version (3)
-    3       1    kind: 1 gossip, 2 sync, 3 pull, 4 content, 5 cookie
-    4       1    flags: 0x01 signed (a tag ends the datagram), 0x02 reply wanted (sync)
+    2       1    protocol version (4)
+    3       1    kind: 1 gossip, 2 sync, 3 pull, 4 content, 5 cookie, 6 ping, 7 ack, 8 ping-req
+    4       1    flags: 0x01 signed (a tag ends the datagram), 0x02 reply wanted (gossip,
+                 sync), 0x04 nack (ack), 0x08 you are suspected (ping)
     5       8    sender: the sender's node key (see node_key), big-endian
     13      8    seq: microseconds of the sender's wall clock, strictly increasing per sender
     21      4    token: the sender's cookie for the receiver's address (to echo back)
@@ -18,15 +19,22 @@ receives at the address it came from (gossip/cookies.py).
 
 Bodies:
 
-- gossip and sync: announcements, 20 bytes each: node key u64, version u64, beat u32
-  (ms the owner has vouched for this version since publishing it). Gossip carries the
-  sender's recent changes; sync carries its whole table (chunked).
+- gossip and sync: announcements, 20 bytes each: node key u64, version u64, and a u32
+  whose top two bits are the node's status as the sender holds it (0 alive, 1 suspect,
+  2 suspect by the sender's own failed probe, 3 dead) and whose low 30 bits are its
+  incarnation: seconds of the owner's wall clock since INCARNATION_EPOCH when it started
+  or last refuted a suspicion of itself, strictly increasing. Suspicions and deaths
+  are about an incarnation, and only the owner makes a greater one. Gossip carries the
+  sender's recent news; sync carries its whole table (chunked).
+- ping: probe seq u32. ack: probe seq u32, then the probed node's own announcement
+  (the answer to a ping-req carries the target's); a nack (flag 0x04) has the seq only.
+  ping-req: probe seq u32, target node key u64 ("ping it for me").
 - pull: wants, 16 bytes each: node key u64, the version the sender holds (0: none).
 - cookie: no body. "I did not act on your datagram: your address is not proven yet;
   here is a token, send again echoing it." Never larger than what it answers.
 - content: a msgpack array of records, each a msgpack array:
-  full  [0, flags, beat, gossip host, gossip port, encoded LoadSnapshot]
-  delta [1, flags, node key, version, back, beat, crc32 of the result, changes]
+  full  [0, flags, incarnation, gossip host, gossip port, encoded LoadSnapshot]
+  delta [1, flags, node key, version, back, incarnation, crc32 of the result, changes]
   (the base version is version - back, back >= 1: one byte where a base version took nine)
   where flags 0x01 marks an urgent version and `changes` is gossip/delta.py's encoding.
 
@@ -51,13 +59,28 @@ from loadmesh.gossip.keyring import TAG_BYTES, Keyring
 MAGIC = b"LM"
 # 3: snapshot format 2 (quantized figures) and deltas as bitmap and differences; agents
 # of protocol 2 read neither, so the two refuse each other's datagrams (bad_version).
-PROTOCOL_VERSION = 3
+# 4: SWIM probes (ping, ack, ping-req) and a status in each announcement, where protocol
+# 3 sent beats to every peer, in the field that now holds status and incarnation.
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("!2sBBBQQII")
 ENTRY = struct.Struct("!QQI")
 WANT = struct.Struct("!QQ")
+PING = struct.Struct("!I")
+PING_REQ = struct.Struct("!IQ")
+ACK = struct.Struct("!IQQI")
 FLAG_SIGNED = 0x01
 FLAG_REPLY = 0x02
+FLAG_NACK = 0x04
+FLAG_SUSPECTED = 0x08
 RECORD_URGENT = 0x01
+# An announcement's last field: status << 30 | incarnation.
+STATUS_SHIFT = 30
+INCARNATION_MAX = (1 << STATUS_SHIFT) - 1
+# Incarnations count seconds from here: 2**30 s last until 2059. Seconds of the clock,
+# like versions its milliseconds, so that a restarted node starts above its previous
+# incarnations and one beyond the receiver's clock (plus the skew) is refused as forged.
+INCARNATION_EPOCH_MS = 1_735_689_600_000  # 2025-01-01T00:00:00Z
+STATUS_ALIVE, STATUS_SUSPECT, STATUS_ACCUSED, STATUS_DEAD = range(4)
 MAX_U64 = 2**64 - 1
 MAX_U32 = 2**32 - 1
 # A snapshot near its largest (7,779 bytes with every field at its bound) cannot fit a 1400-byte datagram; it travels alone
@@ -73,6 +96,9 @@ class Kind(IntEnum):
     PULL = 3
     CONTENT = 4
     COOKIE = 5
+    PING = 6
+    ACK = 7
+    PING_REQ = 8
 
 
 class WireError(ValueError):
@@ -108,7 +134,7 @@ class Datagram:
 @dataclass(frozen=True, slots=True)
 class FullRecord:
     flags: int
-    beat: int
+    incarnation: int
     addr: tuple[str, int]
     content: bytes
 
@@ -119,7 +145,7 @@ class DeltaRecord:
     key: int
     base_version: int
     version: int
-    beat: int
+    incarnation: int
     crc: int
     changes: bytes
 
@@ -167,9 +193,46 @@ def open_datagram(data: bytes, keyring: Keyring | None, max_datagram: int) -> Da
         raise WireError("unsigned")
     if size > max_datagram and kind is not Kind.CONTENT:
         raise WireError("oversized", f"{size} bytes of kind {kind.name}")
-    if kind is Kind.COOKIE and end != HEADER.size:
+    body_size = end - HEADER.size
+    if kind is Kind.COOKIE and body_size:
         raise WireError("malformed", "a cookie has no body")
+    if kind in _FIXED_BODY and body_size not in _FIXED_BODY[kind]:
+        raise WireError("malformed", f"{kind.name} body of {body_size} bytes")
     return Datagram(kind, flags, sender, seq, token, echo, bytes(data[HEADER.size:end]))
+
+
+_FIXED_BODY = {Kind.PING: (PING.size,), Kind.PING_REQ: (PING_REQ.size,),
+               Kind.ACK: (PING.size, ACK.size)}
+
+
+# --- probes -------------------------------------------------------------------------------
+
+def pack_ping(seq: int) -> bytes:
+    return PING.pack(seq)
+
+
+def unpack_ping(body: bytes) -> int:
+    return PING.unpack(body)[0]
+
+
+def pack_ping_req(seq: int, target: int) -> bytes:
+    return PING_REQ.pack(seq, target)
+
+
+def unpack_ping_req(body: bytes) -> tuple[int, int]:
+    return PING_REQ.unpack(body)  # type: ignore[return-value]
+
+
+def pack_ack(seq: int, entry: tuple[int, int, int] | None) -> bytes:
+    """An ack carrying the probed node's announcement; a nack (entry None) the seq only."""
+    return PING.pack(seq) if entry is None else ACK.pack(seq, *entry)
+
+
+def unpack_ack(body: bytes) -> tuple[int, tuple[int, int, int] | None]:
+    if len(body) == PING.size:
+        return PING.unpack(body)[0], None
+    seq, key, version, incarnation = ACK.unpack(body)
+    return seq, (key, version, incarnation)
 
 
 # --- announcements and wants --------------------------------------------------------------
@@ -211,13 +274,14 @@ def unpack_wants(body: bytes) -> Iterator[tuple[int, int]]:
 
 # --- content records ---------------------------------------------------------------------
 
-def pack_full(flags: int, beat: int, addr: tuple[str, int], content: bytes) -> bytes:
-    return msgpack.packb([0, flags, beat, addr[0], addr[1], content], use_bin_type=True)
+def pack_full(flags: int, incarnation: int, addr: tuple[str, int], content: bytes) -> bytes:
+    return msgpack.packb([0, flags, incarnation, addr[0], addr[1], content], use_bin_type=True)
 
 
-def pack_delta(flags: int, key: int, base_version: int, version: int, beat: int, crc: int,
+def pack_delta(flags: int, key: int, base_version: int, version: int, incarnation: int, crc: int,
                changes: bytes) -> bytes:
-    return msgpack.packb([1, flags, key, version, version - base_version, beat, crc, changes], use_bin_type=True)
+    return msgpack.packb([1, flags, key, version, version - base_version, incarnation, crc, changes],
+                         use_bin_type=True)
 
 
 def _array_header(n: int) -> bytes:
@@ -253,22 +317,23 @@ def _record(raw: object) -> Record:
         raise WireError("malformed", "record is not an array")
     tag = raw[0]
     if tag == 0 and len(raw) == 6:
-        _, flags, beat, host, port, content = raw
+        _, flags, incarnation, host, port, content = raw
         if not isinstance(host, str) or not 0 < len(host.encode()) <= _MAX_HOST_BYTES:
             raise WireError("malformed", "gossip host")
         if not isinstance(content, bytes):
             raise WireError("malformed", "snapshot is not bytes")
-        return FullRecord(_uint(flags, 255, "flags"), _uint(beat, MAX_U32, "beat"),
+        return FullRecord(_uint(flags, 255, "flags"), _uint(incarnation, INCARNATION_MAX, "incarnation"),
                           (host, _uint(port, 65535, "port")), content)
     if tag == 1 and len(raw) == 8:
-        _, flags, key, version, back, beat, crc, changes = raw
+        _, flags, key, version, back, incarnation, crc, changes = raw
         if not isinstance(changes, bytes):
             raise WireError("malformed", "changes are not bytes")
         version = _uint(version, MAX_U64, "version")
         if _uint(back, MAX_U64, "back") == 0 or back > version:
             raise WireError("malformed", "delta does not move forward from a version")
         return DeltaRecord(_uint(flags, 255, "flags"), _uint(key, MAX_U64, "key"), version - back, version,
-                           _uint(beat, MAX_U32, "beat"), _uint(crc, MAX_U32, "crc"), changes)
+                           _uint(incarnation, INCARNATION_MAX, "incarnation"), _uint(crc, MAX_U32, "crc"),
+                           changes)
     raise WireError("malformed", f"unknown record {tag!r} of {len(raw)} fields")
 
 

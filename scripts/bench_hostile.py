@@ -45,7 +45,7 @@ from test_hostile_gossip import (NOWHERE, forge_ids, rss_mib, send_records, snap
                                  wall_ms)
 
 LOADMESH = str(ROOT / ".venv" / "bin" / "loadmesh")
-SLOW_TIMERS = "suspect_after_ms = 600000\ndead_after_ms = 900000\nreap_after_ms = 1200000\n"
+SLOW_TIMERS = "suspicion_min_ms = 600000\nreap_after_ms = 1200000\n"
 
 
 class Agent:

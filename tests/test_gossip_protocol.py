@@ -6,6 +6,7 @@ import heapq
 import itertools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -23,9 +24,12 @@ from loadmesh.gossip.wire import Kind
 WALL = 1_764_000_000_000
 KEY_A = bytes(range(32))
 KEY_B = bytes(range(1, 33))
-FAST = GossipParams(interval_ms=100, beat_interval_ms=300, suspect_after_ms=1000, dead_after_ms=2000,
+FAST = GossipParams(interval_ms=100, probe_interval_ms=200, probe_timeout_ms=50, suspicion_min_ms=600,
                     reap_after_ms=60_000, dead_sync_interval_ms=1000, push_pull_interval_ms=5000,
-                    join_retry_ms=500, probe_interval_ms=200)
+                    join_retry_ms=500)
+# The longest a dead node of a small FAST mesh takes to be dead everywhere: a few periods
+# until a probe of it fails, then a lone accuser's longest suspicion.
+FAST_DETECTION_MS = 5 * FAST.probe_interval_ms + FAST.suspicion_min_ms * FAST.suspicion_max_mult
 
 
 _SEQ = itertools.count(1)
@@ -54,6 +58,8 @@ class Mesh:
         self.now = 0
         self.cores: dict[Addr, GossipCore] = {}
         self.down: set[Addr] = set()
+        # Stalled nodes: not run (no ticks, nothing read) while their datagrams wait.
+        self.paused: set[Addr] = set()
         self.cut: set[frozenset[Addr]] = set()
         self.heap: list[tuple[int, int, Addr, Addr, bytes]] = []
         self.seq = 0
@@ -82,22 +88,37 @@ class Mesh:
 
     def run(self, duration: int) -> None:
         until = self.now + duration
+        held: list[tuple[int, int, Addr, Addr, bytes]] = []
         while True:
             event = self.heap[0][0] if self.heap else math.inf
-            live = [(c.next_deadline(), a) for a, c in self.cores.items() if a not in self.down]
+            live = [(c.next_deadline(), a) for a, c in self.cores.items()
+                    if a not in self.down and a not in self.paused]
             tick, addr = min(live) if live else (math.inf, None)
             t = min(event, tick)
             if t > until:
                 break
             self.now = max(self.now, t)
             if event <= tick:
-                _, _, src, dst, data = heapq.heappop(self.heap)
-                if dst in self.cores and dst not in self.down:
+                item = heapq.heappop(self.heap)
+                _, _, src, dst, data = item
+                if dst in self.paused:
+                    held.append(item)  # in its socket, unread
+                elif dst in self.cores and dst not in self.down:
                     self.delivered += 1
                     self.send(dst, self.cores[dst].on_datagram(data, src, self.now))
             else:
                 self.send(addr, self.cores[addr].on_tick(self.now))
+        for item in held:
+            heapq.heappush(self.heap, item)
         self.now = until
+
+    def run_until(self, check: Callable[[], bool], limit: int, step: int = 50) -> int:
+        """Runs until check() holds; the time it took (ms). Fails past `limit` ms."""
+        start = self.now
+        while not check():
+            assert self.now - start < limit, f"not within {limit} ms"
+            self.run(step)
+        return self.now - start
 
     def versions(self, node: str) -> dict[str, int | None]:
         """What each running node holds of `node`'s snapshot."""
@@ -164,7 +185,10 @@ def test_peers_lists_every_node_self_first() -> None:
     rows = cores[0].peers(mesh.now)
     assert rows[0].node_id == "node-0" and rows[0].addr == ("10.0.0.1", 7946)
     for row in rows:
-        assert row.state is PeerState.ALIVE and 0 <= row.age_ms <= FAST.suspect_after_ms
+        assert row.state is PeerState.ALIVE
+    # Each peer fresh from its own datagrams (probes and their acks, a few periods apart);
+    # this node's own row is as old as its version.
+    assert all(0 <= row.age_ms <= 5 * FAST.probe_interval_ms for row in rows[1:])
     assert {r.node_id: r.version for r in rows} == {"node-0": 100, "node-1": 101, "node-2": 102}
 
 
@@ -186,102 +210,104 @@ def test_the_generation_moves_with_the_snapshots_held() -> None:
 def test_dead_peer_detected_then_restart_rejoins_with_a_higher_version() -> None:
     mesh, cores = mesh_of(6)
     mesh.down.add(cores[3].advertise)
-    mesh.run(FAST.suspect_after_ms + 100)
-    assert set(mesh.state_of("node-3").values()) == {"suspect"}
-    mesh.run(FAST.dead_after_ms)
-    assert set(mesh.state_of("node-3").values()) == {"dead"}
+    mesh.run_until(lambda: "suspect" in mesh.state_of("node-3").values(), 10 * FAST.probe_interval_ms)
+    mesh.run_until(lambda: set(mesh.state_of("node-3").values()) == {"dead"}, FAST_DETECTION_MS)
     views = cores[0].snapshots(mesh.now)
     assert views["node-3"].state is PeerState.DEAD
-    assert total(cores[0], "probes_sent") > 0
+    assert sum(total(c, "deaths_declared") for c in cores) >= 1
+    assert all(total(c, "became_dead") == 1 for c in cores if c is not cores[3])
     # The same node id comes back, its version clock ahead of what it published before.
     reborn = mesh.add("node-3", addr=cores[3].advertise)
     mesh.publish(reborn, snap("node-3", 5000, mesh.now), urgent=True)
     mesh.join(reborn, cores[0])
-    mesh.run(1500)
-    assert set(mesh.state_of("node-3").values()) == {"alive"}
+    mesh.run_until(lambda: set(mesh.state_of("node-3").values()) == {"alive"}, 1500)
+    mesh.run(500)
     assert set(mesh.versions("node-3").values()) == {5000}
     assert set(reborn.snapshots(mesh.now)) == {c.node_id for c in cores}
 
 
-def test_live_peer_with_lost_beats_is_saved_by_probes() -> None:
-    mesh = Mesh()
-    quiet = GossipParams(interval_ms=100, beat_interval_ms=20_000, suspect_after_ms=30_000, dead_after_ms=40_000,
-                         reap_after_ms=60_000)
-    watcher = mesh.add("watcher")
-    sleeper = mesh.add("sleeper", quiet)
-    mesh.publish(sleeper, snap("sleeper", 1))
-    mesh.publish(watcher, snap("watcher", 1))
-    mesh.join(sleeper, watcher)
-    mesh.run(10_000)  # five dead_after of the watcher, without a single beat from the sleeper
-    assert mesh.state_of("sleeper") == {"watcher": "alive"}
-    assert total(watcher, "probes_sent") > 0
-    assert total(watcher, "became_dead") == 0
-    mesh.down.add(sleeper.advertise)
-    mesh.run(FAST.dead_after_ms + 500)
-    assert mesh.state_of("sleeper") == {"watcher": "dead"}
+def test_a_peer_unreachable_from_one_node_is_reached_through_others() -> None:
+    mesh, cores = mesh_of(5)
+    prober, target = cores[0], cores[1]
+    mesh.cut = {frozenset((prober.advertise, target.advertise))}
+    mesh.run(20 * FAST.probe_interval_ms)  # the prober's pass reaches the target several times
+    assert mesh.state_of("node-1")["node-0"] == "alive"
+    assert total(prober, "ping_reqs_sent") > 0
+    assert all(total(c, "became_suspect") == 0 for c in cores)
 
 
-def beats_sent(core: GossipCore, out: Outgoing) -> list[Addr]:
-    """Where `out` sends `core`'s beat: a gossip datagram with only its own entry."""
-    dsts = []
-    for dst, data in out:
-        dg = wire.open_datagram(data, None, 1400)
-        if dg.kind is Kind.GOSSIP and [k for k, _, _ in wire.unpack_entries(dg.body)] == [core.key]:
-            dsts.append(dst)
-    return dsts
-
-
-def test_beats_go_straight_to_every_live_peer_once_per_interval() -> None:
+def test_liveness_is_one_ping_and_one_ack_per_node_and_period() -> None:
     mesh, cores = mesh_of(7)
-    me = cores[0]
-    others = {c.advertise for c in cores[1:]}
-    got: dict[Addr, list[int]] = {a: [] for a in others}
-    send = mesh.send
-
-    def watch(src: Addr, out: Outgoing) -> None:
-        if src == me.advertise:
-            for dst in beats_sent(me, out):
-                got[dst].append(mesh.now)
-        send(src, out)
-
-    mesh.send = watch  # type: ignore[method-assign]
-    mesh.run(3000)  # 10 beat intervals
-    for dst, times in got.items():
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        assert 9 <= len(times) <= 11, (dst, times)
-        assert max(gaps) <= FAST.beat_interval_ms + 2 * FAST.interval_ms, (dst, gaps)
-    assert me.counters()["beats_sent"] >= sum(len(t) for t in got.values())
+    before = [(c.counters()["pings_sent"], c.counters()["acks_sent"]) for c in cores]
+    periods = 20
+    mesh.run(periods * FAST.probe_interval_ms)
+    for core, (pings, acks) in zip(cores, before):
+        assert core.counters()["pings_sent"] - pings in (periods - 1, periods, periods + 1)
+        assert core.counters()["ping_reqs_sent"] == 0
+    sent = sum(c.counters()["acks_sent"] for c in cores) - sum(a for _, a in before)
+    assert periods * 7 - 7 <= sent <= periods * 7 + 7  # every ping answered, once
 
 
-def test_relayed_beats_do_not_keep_a_dead_peer_alive() -> None:
+def test_a_live_suspect_refutes_and_is_never_declared_dead() -> None:
+    mesh, cores = mesh_of(4)
+    accuser, suspect, witness = cores[0], cores[1], cores[2]
+    inc = witness.table.get(suspect.key).incarnation
+    # The accuser says it failed to reach the suspect (its own failed probe, on the wire).
+    entry = wire.pack_entries([(suspect.key, suspect._own.version, inc | wire.STATUS_ACCUSED << wire.STATUS_SHIFT)])
+    witness.on_datagram(forge(witness, Kind.GOSSIP, accuser.key, entry, accuser.advertise, mesh.now),
+                        accuser.advertise, mesh.now)
+    assert witness.table.get(suspect.key).state is PeerState.SUSPECT
+    mesh.run_until(lambda: witness.table.get(suspect.key).state is PeerState.ALIVE, 10 * FAST.probe_interval_ms)
+    assert total(suspect, "refutations") >= 1
+    assert witness.table.get(suspect.key).incarnation > inc
+    mesh.run(FAST_DETECTION_MS)
+    assert all(total(c, "became_dead") == 0 for c in cores)
+    assert set(mesh.state_of("node-1").values()) == {"alive"}
+
+
+def test_a_newer_version_relayed_does_not_revive_a_dead_peer_its_own_word_does() -> None:
     mesh, cores = mesh_of(4)
     victim, watcher, relay = cores[1], cores[2], cores[3]
     mesh.down.add(victim.advertise)
-    mesh.run(FAST.dead_after_ms + 100)
-    assert watcher.snapshots(mesh.now)["node-1"].state is PeerState.DEAD
-    # A third node vouches for the victim's version with a beat later than any the
-    # watcher heard: news for the key, but not about now.
+    mesh.run_until(lambda: watcher.snapshots(mesh.now)["node-1"].state is PeerState.DEAD, FAST_DETECTION_MS)
+    # A third node announces a version of the victim published before it died.
     peer = watcher.table.get(victim.key)
-    version, beat = peer.version, peer.beat
-    entry = wire.pack_entries([(victim.key, version, beat + 1000)])
+    entry = wire.pack_entries([(victim.key, peer.version + 1, peer.incarnation)])
     watcher.on_datagram(forge(watcher, Kind.GOSSIP, relay.key, entry, relay.advertise, mesh.now),
                         relay.advertise, mesh.now)
-    assert peer.beat == beat + 1000
     assert watcher.snapshots(mesh.now)["node-1"].state is PeerState.DEAD
-    # A later beat from the victim itself is proof of life.
-    entry = wire.pack_entries([(victim.key, version, beat + 2000)])
+    # The victim's own datagram is proof of life.
+    entry = wire.pack_entries([(victim.key, peer.version, peer.incarnation)])
     watcher.on_datagram(forge(watcher, Kind.GOSSIP, victim.key, entry, victim.advertise, mesh.now),
                         victim.advertise, mesh.now)
     assert watcher.snapshots(mesh.now)["node-1"].state is PeerState.ALIVE
+
+
+def test_a_node_stalled_for_two_seconds_is_declared_dead_by_no_one() -> None:
+    params = GossipParams(interval_ms=100)  # SWIM's timers at their defaults
+    mesh, cores = mesh_of(5, params)
+    stalled = cores[2]
+    mesh.paused.add(stalled.advertise)
+    mesh.run(2000)
+    assert "suspect" in mesh.state_of("node-2").values()  # it did not answer: suspected
+    mesh.paused.discard(stalled.advertise)
+    mesh.run(5 * params.suspicion_min_ms)
+    assert all(total(c, "became_dead") == 0 for c in cores)
+    assert set(mesh.state_of("node-2").values()) == {"alive"}
+    # The stalled node judged no one by the time it did not see.
+    assert stalled.counters()["stalls"] == 1 and total(stalled, "became_suspect") == 0
+    # A real death, with the same timers, is still found.
+    mesh.down.add(cores[3].advertise)
+    mesh.run_until(lambda: set(mesh.state_of("node-3").values()) == {"dead"},
+                   10 * params.probe_interval_ms + params.suspicion_min_ms * params.suspicion_max_mult)
 
 
 def test_partition_heals_by_itself() -> None:
     mesh, cores = mesh_of(6)
     left, right = cores[:3], cores[3:]
     mesh.cut = {frozenset((a.advertise, b.advertise)) for a in left for b in right}
-    mesh.run(FAST.dead_after_ms + 500)
-    assert mesh.state_of("node-4")["node-0"] == "dead"
-    assert mesh.state_of("node-0")["node-4"] == "dead"
+    mesh.run_until(lambda: mesh.state_of("node-4")["node-0"] == mesh.state_of("node-0")["node-4"] == "dead",
+                   2 * FAST_DETECTION_MS)
     mesh.cut = set()
     mesh.run(2 * FAST.dead_sync_interval_ms + 500)
     for core in cores:
@@ -291,9 +317,8 @@ def test_partition_heals_by_itself() -> None:
 # --- urgent versions ---------------------------------------------------------------------------
 
 def test_urgent_version_reaches_everyone_before_any_round() -> None:
-    slow = replace(FAST, interval_ms=60_000, beat_interval_ms=50_000, suspect_after_ms=100_000,
-                   dead_after_ms=200_000, reap_after_ms=300_000, push_pull_interval_ms=100_000,
-                   dead_sync_interval_ms=100_000)
+    slow = replace(FAST, interval_ms=60_000, probe_interval_ms=60_000, reap_after_ms=300_000,
+                   push_pull_interval_ms=100_000, dead_sync_interval_ms=100_000)
     mesh = Mesh()
     cores = []
     for i in range(10):  # without rounds, each node joins through all the others
@@ -388,6 +413,8 @@ def _datagrams_of_a_live_mesh() -> list[bytes]:
     late = mesh.add("late", keyring=Keyring([KEY_A]))
     mesh.join(late, cores[0])
     mesh.run(1500)
+    mesh.down.add(cores[4].advertise)  # probes of it fail: ping-reqs and nacks
+    mesh.run(1000)
     assert {d[3] for d in captured} == set(Kind)
     return captured
 
@@ -462,9 +489,12 @@ def test_publish_rules() -> None:
     with pytest.raises(ValueError, match="start at 1"):
         GossipCore("z", ("h", 1), FAST).publish(snap("z", 0), False, 0)
     assert core.publish(snap("me", 10), False, 5) == []
-    # The same content, stamped later: nothing to send; beats have their own timer.
+    # The same content, stamped later: nothing to send.
     assert core.publish(snap("me", 10, now=700), False, 700) == []
-    assert core.queue.take(5) == [(core.key, 10, 0)]
+    # Announced once, alive, under an incarnation of the wall clock's seconds.
+    ((key, version, tail),) = core.queue.take(5)
+    assert (key, version, tail >> wire.STATUS_SHIFT) == (core.key, 10, wire.STATUS_ALIVE)
+    assert tail == (WALL - wire.INCARNATION_EPOCH_MS) // 1000
 
 
 # --- a hostile network ------------------------------------------------------------------------
@@ -484,7 +514,7 @@ def test_a_wedged_key_neither_kills_a_live_node_nor_outlives_its_pulls() -> None
     watcher.on_datagram(forge(watcher, Kind.GOSSIP, liar.key, entry, liar.advertise, mesh.now),
                         liar.advertise, mesh.now)
     assert watcher.table.get(victim.key).version == ceiling - 1
-    mesh.run(FAST.dead_after_ms + 500)  # the victim's own datagrams keep it alive meanwhile
+    mesh.run(FAST_DETECTION_MS)  # the victim keeps answering probes meanwhile
     assert mesh.state_of("node-0")["node-1"] == "alive"
     assert watcher.counters()["keys_rewound"] == 1
     mesh.publish(victim, snap("node-0", 500, mesh.now))

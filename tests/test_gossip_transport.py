@@ -18,9 +18,8 @@ from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState
 from loadmesh.gossip.transport import GossipService, parse_seed
 
 KEY = bytes(range(32))
-PARAMS = GossipParams(interval_ms=50, beat_interval_ms=200, suspect_after_ms=1500, dead_after_ms=3000,
-                      push_pull_interval_ms=2000, join_retry_ms=200, dead_sync_interval_ms=1000,
-                      probe_interval_ms=200)
+PARAMS = GossipParams(interval_ms=50, probe_interval_ms=200, probe_timeout_ms=50, suspicion_min_ms=1500,
+                      push_pull_interval_ms=2000, join_retry_ms=200, dead_sync_interval_ms=1000)
 
 
 def snap(node: str, version: int, score: float = 0.5) -> LoadSnapshot:
@@ -71,15 +70,15 @@ def test_services_converge_and_release_their_sockets() -> None:
             assert rows[0].node_id == "svc-0"
             assert {r.state for r in rows} == {PeerState.ALIVE}
             assert {r.addr for r in rows} == {("127.0.0.1", s.address[1]) for s in services}
-            # Nothing new is published for longer than suspect_after: the direct beats
-            # alone keep every peer alive. A beat carries how long its owner's version
-            # has stood: svc-0 has heard every peer vouch for twice suspect_after of it.
-            core = services[0].core
-            assert core is not None
-            await wait_for(lambda: all(p.beat > 2 * PARAMS.suspect_after_ms for p in core.table))
+            # Nothing new is published for twice the shortest suspicion: the probes
+            # alone keep every peer alive, each answered.
+            pings = services[0].counters()["pings_sent"]
+            periods = 2 * PARAMS.suspicion_min_ms // PARAMS.probe_interval_ms
+            await wait_for(lambda: services[0].counters()["pings_sent"] >= pings + periods)
             assert {r.state for r in services[0].peers()} == {PeerState.ALIVE}
             counts = services[1].counters()
-            assert counts["beats_sent"] > 0
+            assert counts["pings_sent"] > 0 and counts["acks_sent"] > 0
+            assert counts["suspicions"] == 0
             assert counts["datagrams_sent"] > 0 and counts["bytes_received"] > 0
             assert not any(k.startswith("drop_") and v for k, v in counts.items() if k != "drop_pulls_full")
             ports = [s.address[1] for s in services]
