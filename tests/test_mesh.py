@@ -1,6 +1,6 @@
 """Several real agents, each in its own network namespace on a bridge: they find each other
-from one seed, converge, see a killed agent go dead, heal after an nftables partition, and
-refuse a peer that signs with the wrong key."""
+from one seed, converge, keep an agent stalled for 2 s alive, see a killed agent go dead,
+heal after an nftables partition, and refuse a peer that signs with the wrong key."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -137,6 +138,22 @@ def test_mesh_join_converge_kill_partition_heal_and_wrong_key(run_dir: Path) -> 
         cli = subprocess.run([LOADMESH, "best", "llama", "--socket", a0.socket, "--json"],
                              capture_output=True, text=True, timeout=10, check=True)
         assert json.loads(cli.stdout)["node_id"] in names, "the CLI answers as the API does"
+
+        # Stall one agent's event loop for 2 s (the whole process, as a GIL-bound pause or
+        # a starved host would): it answers no probe meanwhile, and may be suspected, but
+        # it refutes when it runs again, and nobody declares it dead.
+        deaths = {a.name: a.stats().get("became_dead", 0) for a in (a0, a2, a3)}
+        os.kill(a1.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.0)  # the stall itself, not a wait for a condition
+        finally:
+            os.kill(a1.proc.pid, signal.SIGCONT)
+        wait_for("the stalled agent counts its own stall",
+                 lambda: a1.stats().get("stalls", 0) >= 1, 10, agents)
+        wait_for("everyone holds it alive again",
+                 lambda: all(states(a).get("n1") == "alive" for a in (a0, a2, a3)), 10, agents)
+        assert {a.name: a.stats().get("became_dead", 0) for a in (a0, a2, a3)} == deaths, \
+            "a stalled agent was declared dead"
 
         # Kill one agent: the others see it dead, and stop routing to it.
         a3.proc.kill()
