@@ -87,6 +87,12 @@ class ProbeOrder:
         at = self.rng.randint(self._next, len(self._order))
         self._order.insert(at, key)
 
+    def next_up(self, key: int) -> None:
+        """Probe `key` next (a suspicion of it was heard): every node that hears of one
+        checks for itself within a period, which corroborates a death at once and
+        brings a live suspect the news, through the pings that say it is suspected."""
+        self._order.insert(self._next, key)
+
     def next(self, live: Callable[[], list[int]], usable: Callable[[int], bool]) -> int | None:
         for _ in range(2):
             while self._next < len(self._order):

@@ -180,11 +180,14 @@ class GossipCore:
         self.relays = Relays()
         self.suspicions = Suspicions()
         self.health = LocalHealth(params.health_max)
-        # Suspects this node accused, and when it pings each again (saying it is
-        # suspected) while the suspicion runs: a refutation lost on the way back to an
-        # accuser would otherwise let it declare a live node dead.
-        self._rechecks: dict[int, int] = {}
+        # Suspects this node accused: when it probes each again (saying it is suspected,
+        # directly and through others) while the suspicion runs, and the seq of the last
+        # such probe. A refutation lost on the way back to an accuser would otherwise let
+        # it declare a live node dead.
+        self._rechecks: dict[int, tuple[int, int]] = {}
+        self._recheck_of: dict[int, int] = {}  # seq -> suspect
         self._refuted_at = -params.probe_interval_ms
+        self._helpers_asked = 0
         # The deadline last given to the driver: a call much later means this node stalled.
         self._due: int | None = None
         self._seeds: list[Addr] = []
@@ -244,7 +247,7 @@ class GossipCore:
             t = min(t, self._next_probe)
         else:
             t = min(t, probe.ends_at if probe.acked or probe.helpers else probe.indirect_at)
-        recheck = min(self._rechecks.values()) if self._rechecks else None
+        recheck = min(at for at, _ in self._rechecks.values()) if self._rechecks else None
         for other in (self.table.next_deadline(self.params.reap_after_ms), self.pulls.next_deadline(),
                       self.suspicions.next_deadline(), self.relays.next_deadline(), recheck):
             if other is not None and other < t:
@@ -274,13 +277,11 @@ class GossipCore:
             self.counts["pull_retries"] += len(wants)
             out += self._pull(addr, wants)
         out += self._probing(now)
-        for key, at in list(self._rechecks.items()):
-            peer = self.table.get(key)
-            if peer is None or peer.state is not PeerState.SUSPECT:
-                del self._rechecks[key]
-            elif at <= now:
-                self._rechecks[key] = now + self.health.scale(p.probe_interval_ms)
-                out += self._ping(peer, self._new_probe_seq())
+        for key, (at, _) in list(self._rechecks.items()):
+            if at <= now:
+                peer = self.table.get(key)
+                if peer is not None and peer.state is PeerState.SUSPECT:
+                    out += self._recheck(peer, now)
         for relay in self.relays.due(now):
             self.counts["nacks_sent"] += 1
             out += self._count_sent([(relay.requester, self._seal(
@@ -313,7 +314,10 @@ class GossipCore:
         probe = self.probe
         if probe is not None:
             if not probe.acked and not probe.helpers and now >= probe.indirect_at:
-                out += self._ask_helpers(probe)
+                out += self._ask_helpers(probe.target, probe.seq)
+                probe.helpers = self._helpers_asked
+                if not probe.helpers:
+                    probe.indirect_at = probe.ends_at  # nobody to ask: wait for the verdict
             if now >= probe.ends_at:
                 self.probe = None
                 out += self._verdict(probe, now)
@@ -347,14 +351,13 @@ class GossipCore:
         addr = peer.gossip_addr
         return self._count_sent([(addr, self._seal(Kind.PING, addr, wire.pack_ping(seq), flags))])
 
-    def _ask_helpers(self, probe: Probe) -> Outgoing:
+    def _ask_helpers(self, target: int, seq: int) -> Outgoing:
+        """Ping-reqs about `target` to up to indirect_checks live peers (how many:
+        _helpers_asked)."""
         helpers = [peer for peer in self.table.sample_live(self.params.indirect_checks + 1, self.rng)
-                   if peer.key != probe.target][:self.params.indirect_checks]
-        probe.helpers = len(helpers)
-        if not helpers:
-            probe.indirect_at = probe.ends_at  # nobody to ask: wait for the verdict
-            return []
-        body = wire.pack_ping_req(probe.seq, probe.target)
+                   if peer.key != target][:self.params.indirect_checks]
+        self._helpers_asked = len(helpers)
+        body = wire.pack_ping_req(seq, target)
         self.counts["ping_reqs_sent"] += len(helpers)
         return self._count_sent([(peer.gossip_addr, self._seal(Kind.PING_REQ, peer.gossip_addr, body))
                                  for peer in helpers])
@@ -381,8 +384,12 @@ class GossipCore:
             shortest, longest, expected = self.params.suspicion_ms(self.table.live_count + 1)
             self.suspicions.start(peer.key, self.key, now, shortest, longest, expected)
         else:
-            self.suspicions.confirm(peer.key, self.key)
-        self._rechecks[peer.key] = now + self.health.scale(self.params.probe_interval_ms)
+            # Corroborating a suspicion heard of may shorten it to nothing: this node still
+            # probes the suspect itself twice before it may declare it dead, so that one
+            # failed probe and a stale rumour cannot together kill a live node.
+            if self.suspicions.confirm(peer.key, self.key):
+                self.suspicions.hold(peer.key, now + 2 * self.health.scale(self.params.probe_interval_ms) + 1)
+        self._rechecks[peer.key] = (now + self.health.scale(self.params.probe_interval_ms), 0)
         entry = (peer.key, peer.version, peer.incarnation | _ACCUSED)
         self._announce(*entry)
         addr = peer.gossip_addr
@@ -392,17 +399,27 @@ class GossipCore:
         """Only a node that failed to reach the suspect itself declares it dead: the
         suspect refutes to whoever tells it of a suspicion, first of all its accusers,
         while a suspicion only heard of may outrun the refutation on a lossy network. A
-        node that only heard of it pings the suspect once (saying it is suspected) and
-        gives it one more probe period; no answer makes it an accuser."""
+        node that only heard of it probes the suspect itself (saying it is suspected,
+        straight and through others) twice, a period apart; no answer makes it an
+        accuser."""
         peer = self.table.get(key)
         if peer is None or peer.state is not PeerState.SUSPECT:
             return []
         if self.key in accusers:
             return self._declare_dead(key, now)
-        wait = self.health.scale(self.params.probe_interval_ms)
+        wait = 2 * self.health.scale(self.params.probe_interval_ms) + 1
         self.suspicions.start(key, self.key, now, wait, wait, 0)
-        self._rechecks[key] = now + wait
-        return self._ping(peer, self._new_probe_seq())
+        return self._recheck(peer, now)
+
+    def _recheck(self, peer: Peer, now: int) -> Outgoing:
+        """Probe a suspect again, straight and through `indirect_checks` others at once,
+        saying it is suspected; due again a period later while it stays suspect."""
+        _, old = self._rechecks.get(peer.key, (0, 0))
+        self._recheck_of.pop(old, None)
+        seq = self._new_probe_seq()
+        self._rechecks[peer.key] = (now + self.health.scale(self.params.probe_interval_ms), seq)
+        self._recheck_of[seq] = peer.key
+        return self._ping(peer, seq) + self._ask_helpers(peer.key, seq)
 
     def _declare_dead(self, key: int, now: int) -> Outgoing:
         """A suspicion ran out unrefuted: dead, and the news pushed at once."""
@@ -432,6 +449,7 @@ class GossipCore:
             # made it: it counts as one, so that this node's own failed probe corroborates it.
             self.suspicions.start(peer.key, sender if status == wire.STATUS_ACCUSED else _SOMEONE, now,
                                   shortest, longest, expected)
+            self._probe_order.next_up(peer.key)
             self._announce(peer.key, peer.version, peer.incarnation | _SUSPECT)
         elif status == wire.STATUS_ACCUSED and peer.state is PeerState.SUSPECT:
             self.suspicions.confirm(peer.key, sender)
@@ -501,6 +519,11 @@ class GossipCore:
             if entry[0] != probe.target:
                 return self._drop("unexpected_ack")
             probe.acked = True
+            return self._heard_from_probe(entry, dg.sender, addr, now)
+        suspect = self._recheck_of.get(seq)
+        if suspect is not None:
+            if entry is None or entry[0] != suspect:
+                return []  # a helper's nack: the next recheck may do better
             return self._heard_from_probe(entry, dg.sender, addr, now)
         relay = self.relays.take(seq) if entry is not None else None
         if relay is None or entry is None or entry[0] != relay.target or dg.sender != relay.target:
@@ -990,7 +1013,8 @@ class GossipCore:
             self.pulls.forget(peer.key)
         if new is not PeerState.SUSPECT:
             self.suspicions.clear(peer.key)
-            self._rechecks.pop(peer.key, None)
+            _, seq = self._rechecks.pop(peer.key, (0, 0))
+            self._recheck_of.pop(seq, None)
         if new is PeerState.ALIVE and old in (None, PeerState.DEAD):
             self._probe_order.add(peer.key)
         if self.observer is not None:

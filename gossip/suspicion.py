@@ -69,6 +69,13 @@ class Suspicions:
             heapq.heappush(self._heap, (deadline, key))
         return True
 
+    def hold(self, key: int, until: int) -> None:
+        """No verdict on `key` before `until` (a new accuser's time to check for itself)."""
+        s = self._by_key.get(key)
+        if s is not None and s.deadline < until:
+            s.deadline = until
+            heapq.heappush(self._heap, (until, key))
+
     @staticmethod
     def _deadline(s: _Suspicion) -> int:
         confirmations = len(s.accusers) - 1

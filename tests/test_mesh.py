@@ -168,8 +168,10 @@ def test_mesh_join_converge_kill_partition_heal_and_wrong_key(run_dir: Path) -> 
             chain input {{ type filter hook input priority 0; ip saddr {{ {a0.node.v4}, {a1.node.v4} }} drop; }}
             chain output {{ type filter hook output priority 0; ip daddr {{ {a0.node.v4}, {a1.node.v4} }} drop; }}
         }}""")
+        # n2 is alone on its side: a lone accuser, whom nobody corroborates, waits the
+        # longest suspicion (6 x 2.5 s) in case it is the one cut off.
         wait_for("the two sides see each other dead",
-                 lambda: states(a0).get("n2") == "dead" and states(a2).get("n0") == "dead", 20, agents)
+                 lambda: states(a0).get("n2") == "dead" and states(a2).get("n0") == "dead", 30, agents)
         nft(a2, "delete table inet lmpart")
         wait_for("the partition heals by itself",
                  lambda: all(states(a).get(other) == "alive"
