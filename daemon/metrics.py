@@ -78,6 +78,7 @@ _GOSSIP_TRAFFIC = {
     "bytes_received": "loadmesh_gossip_received_bytes",
 }
 _DROP = "drop_"
+_SENT_FOR = "bytes_sent_"
 
 
 class AgentView(Protocol):
@@ -298,6 +299,10 @@ class AgentCollector(Collector):
         events = CounterMetricFamily("loadmesh_gossip_events", "Other gossip protocol events "
                                      "(pulls, syncs, peer state changes, socket errors).",
                                      labels=["event"])
+        purposes = CounterMetricFamily("loadmesh_gossip_sent_purpose_bytes", "Gossip bytes sent, by "
+                                       "what they carry: liveness (pings, acks, ping-reqs), "
+                                       "announcements, content, pulls, syncs, cookies.",
+                                       labels=["purpose"])
         table = GaugeMetricFamily("loadmesh_gossip_table_bytes", "Bytes of peers' snapshot "
                                   "encodings held (bounded by gossip.max_table_bytes).")
         service = self.agent.gossip.service
@@ -315,9 +320,11 @@ class AgentCollector(Collector):
             for key, n in sorted(counts.items()):
                 if key.startswith(_DROP):
                     dropped.add_metric([key.removeprefix(_DROP)], n)
+                elif key.startswith(_SENT_FOR):
+                    purposes.add_metric([key.removeprefix(_SENT_FOR)], n)
                 elif key not in _GOSSIP_TRAFFIC:
                     events.add_metric([key], n)
-        yield from (peers, table, *traffic.values(), dropped, events)
+        yield from (peers, table, *traffic.values(), purposes, dropped, events)
 
     def _routing(self) -> Iterator[Metric]:
         routing = self.agent.routing

@@ -84,7 +84,7 @@ class PeerTokens:
     costs one round trip, as the real peer's cookie then replaces it.
     """
 
-    # A first contact is a round's datagrams, a beat and content: a few at most.
+    # A first contact is a round's datagrams, a probe and content: a few at most.
     PENDING_PER_ADDR = 8
 
     def __init__(self, epoch_ms: int, max_entries: int, max_pending: int) -> None:
