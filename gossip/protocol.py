@@ -9,7 +9,7 @@ How news travels (docs/gossip.md has the figures):
 
 1. publish: the owner pushes its new version at once to `fanout` peers (to
    `urgent_fanout` for an urgent one), as a delta when it has a previous version, and
-   queues an announcement (node key, version, status and incarnation) of 20 bytes.
+   queues an announcement (node key, version, status and incarnation) of 14 bytes.
 2. rounds: every interval_ms, to `fanout` random live peers, compound datagrams of queued
    announcements, the node's own first, then least-sent first; each is sent at most
    RetransmitMult * ceil(log10(N + 1)) times by each node that has the content. A peer
@@ -701,8 +701,15 @@ class GossipCore:
         self.counts["drop_" + reason] += 1
         return []
 
+    def _held_version(self, key: int) -> int | None:
+        """The version of `key` this node holds (its own too); None for a node unknown."""
+        if key == self.key:
+            return self._own.version if self._own is not None else None
+        peer = self.table.get(key)
+        return peer.version if peer is not None else None
+
     def _on_gossip(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
-        entries = list(wire.unpack_entries(dg.body))
+        entries = wire.unpack_entries(dg.body)
         out: Outgoing = []
         out = self._pull(addr, self._absorb(entries, dg.sender, addr, now, out)) + out
         if dg.flags & wire.FLAG_REPLY:
@@ -718,32 +725,41 @@ class GossipCore:
 
     def _known_to_sender(self, entries: list[tuple[int, int, int]]) -> set[int]:
         """The nodes whose latest news the sender of `entries` already has."""
-        get, own_key, mask = self.table.get, self.key, wire.INCARNATION_MAX
+        get, own_key, mask, unserial = self.table.get, self.key, wire.INCARNATION_MAX, wire.unserial
         known = set()
-        for k, v, i in entries:
+        for k, s, i in entries:
             i &= mask
             if k == own_key:
-                if self._own is not None and v >= self._own.version and i >= self._own_inc:
+                own = self._own
+                if own is not None and unserial(s, own.version) >= own.version and i >= self._own_inc:
                     known.add(k)
-            elif (peer := get(k)) is not None and v >= peer.version and i >= peer.incarnation:
+            elif (peer := get(k)) is not None and unserial(s, peer.version) >= peer.version \
+                    and i >= peer.incarnation:
                 known.add(k)
         return known
 
     def _absorb(self, entries: Iterable[tuple[int, int, int]], sender: int, addr: Addr,
                 now: int, out: Outgoing) -> list[tuple[int, int]]:
-        """Take the news in announcements from `sender`; the (key, version held) to pull.
-        A refutation of a suspicion of this node goes into `out`."""
+        """Take the news in announcements from `sender` (their versions as low 32 bits,
+        read against the versions held); the (key, version held) to pull. A refutation
+        of a suspicion of this node goes into `out`."""
         wants: list[tuple[int, int]] = []
-        table, get, own_key = self.table, self.table.get, self.key
+        table, get, own_key, unserial = self.table, self.table.get, self.key, wire.unserial
         ceiling = self._ceiling(now)
         mask, shift = wire.INCARNATION_MAX, wire.STATUS_SHIFT
         inc_ceiling = self._incarnation_now(now) + self.params.max_clock_skew_ms // 1000
-        for k, v, raw in entries:
+        for k, s, raw in entries:
             inc, status = raw & mask, raw >> shift
+            peer = get(k)
+            if peer is not None:
+                v = unserial(s, peer.version)
+            elif k == own_key and self._own is not None:
+                v = unserial(s, self._own.version)
+            else:
+                v = 0  # a node not held: its version comes with its content
             if v > ceiling or inc > inc_ceiling:
                 self.counts["drop_implausible"] += 1
                 continue
-            peer = get(k)
             if peer is not None:
                 held = peer.snapshot.version
                 if v <= peer.version and inc <= peer.incarnation:
@@ -772,7 +788,7 @@ class GossipCore:
                 elif inc > self._own_inc:
                     self._own_inc = inc  # a previous run's, in the same second: go on from it
             elif (self._room_for_new(source_key(addr) if k == sender else None)
-                  and self.pulls.want(k, v, 0, addr, now)):
+                  and self.pulls.want(k, 1, 0, addr, now)):
                 wants.append((k, 0))
         return wants
 
@@ -814,11 +830,13 @@ class GossipCore:
         return self._content_to([addr], records)
 
     def _on_sync(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
-        entries = list(wire.unpack_entries(dg.body))
+        entries = wire.unpack_entries(dg.body)
         out: Outgoing = []
+        # What the sender is behind on, among the nodes it listed (read before the
+        # absorb below moves the versions held).
+        behind = [(k, wire.unserial(s, held)) for k, s, _ in entries if (held := self._held_version(k)) is not None]
         out = self._pull(addr, self._absorb(entries, dg.sender, addr, now, out)) + out
-        # What the sender is behind on, among the nodes it listed.
-        records = [r for k, v, _ in entries if (r := self._record_for(k, v))]
+        records = [r for k, v in behind if (r := self._record_for(k, v))]
         out += self._content_to([addr], records)
         if dg.flags & wire.FLAG_REPLY:
             out += self._digest(addr, reply=False)

@@ -499,11 +499,18 @@ def test_publish_rules() -> None:
 
 # --- a hostile network ------------------------------------------------------------------------
 
-def test_a_wedged_key_neither_kills_a_live_node_nor_outlives_its_pulls() -> None:
+def test_a_wedged_version_neither_kills_a_live_node_nor_outlives_its_pulls() -> None:
     mesh, cores = mesh_of(3)
     victim, watcher, liar = cores
+    # Versions start at the owner's wall clock in ms, as the agent's do.
+    held = WALL + mesh.now
+    mesh.publish(victim, snap("node-0", held, mesh.now))
+    mesh.run(500)
+    assert watcher.table.get(victim.key).version == held
     ceiling = mesh.now + WALL + FAST.max_clock_skew_ms
-    for version in (2**64 - 1, ceiling + 1):  # beyond any clock: refused
+    # The furthest ahead an announcement can say (its low 32 bits are read against the
+    # version held: 2**31 - 1 changes at most), and just past the clock: both refused.
+    for version in (held + 2**31 - 1, ceiling + 1):
         entry = wire.pack_entries([(victim.key, version, 0)])
         watcher.on_datagram(forge(watcher, Kind.GOSSIP, liar.key, entry, liar.advertise, mesh.now),
                             liar.advertise, mesh.now)
@@ -517,9 +524,9 @@ def test_a_wedged_key_neither_kills_a_live_node_nor_outlives_its_pulls() -> None
     mesh.run(FAST_DETECTION_MS)  # the victim keeps answering probes meanwhile
     assert mesh.state_of("node-0")["node-1"] == "alive"
     assert watcher.counters()["keys_rewound"] == 1
-    mesh.publish(victim, snap("node-0", 500, mesh.now))
+    mesh.publish(victim, snap("node-0", held + 1, mesh.now))
     mesh.run(500)
-    assert mesh.versions("node-0")["node-1"] == 500
+    assert mesh.versions("node-0")["node-1"] == held + 1
 
 
 def test_a_version_of_itself_above_its_own_is_reported_to_the_owner() -> None:

@@ -217,7 +217,12 @@ def test_a_wedge_attempt_leaves_the_node_alive_and_its_versions_win(make_agent, 
     with RawPeer("insider", Keyring([KEY]), host="127.0.0.7") as insider:
         for target in (a, c):
             insider.prove(target.addr)
-            for entry in ((b_key, 2**64 - 1, 0), (b_key, 2**63 - 1, 0), (b_key, forged, 4_000_000_000)):
+            held = target.peers()["b"]["version"]
+            # The furthest ahead an announcement can say (its version's low 32 bits are
+            # read against the version held: 24 days of ms ahead), a version past the
+            # receiver's clock, and b dead at an incarnation 24 years ahead.
+            for entry in ((b_key, held + 2**31 - 1, 0), (b_key, wall_ms() + 120_000, 0),
+                          (b_key, forged, 4_000_000_000)):
                 insider.send(insider.seal(Kind.GOSSIP, wire.pack_entries([entry]), target.addr), target.addr)
             # A record in b's name at a version above b's own: what a key holder can do.
             send_records(insider, target.addr, [snapshot("b", forged)])
@@ -227,7 +232,7 @@ def test_a_wedge_attempt_leaves_the_node_alive_and_its_versions_win(make_agent, 
                 assert target.peers()["b"]["state"] == "alive"
             time.sleep(0.3)
     for target in (a, c):
-        assert target.counters()["drop_implausible"] >= 2
+        assert target.counters()["drop_implausible"] >= 3
         # b heard of the forged version and published above it; everyone holds that.
         wait_for(lambda t=target: t.peers()["b"]["version"] > forged, 20.0, "b's own version above the forged one")
     assert b.counters()["own_newer_seen"] >= 1

@@ -136,7 +136,8 @@ def _agent_view() -> SimpleNamespace:
              PeerRow("n2", PeerState.ALIVE, 4, 200, ("10.0.0.2", 7946)),
              PeerRow("n3", PeerState.SUSPECT, 5, 3000, ("10.0.0.3", 7946))]
     counters = {"datagrams_sent": 10, "bytes_sent": 1400, "datagrams_received": 9,
-                "bytes_received": 1300, "drop_bad_tag": 4, "pulls_sent": 2}
+                "bytes_received": 1300, "drop_bad_tag": 4, "pulls_sent": 2,
+                "bytes_sent_liveness": 236, "bytes_sent_content": 900}
     component = SimpleNamespace(name="probes", health=lambda: Health(HealthState.DEGRADED, "x"))
     return SimpleNamespace(
         node_id="n1", version="0.1.0", components=[component],
@@ -208,6 +209,8 @@ def test_every_family_reads_the_agents_state_in_base_units() -> None:
     assert value(s, "loadmesh_gossip_dropped_total", reason="bad_tag") == 4
     assert value(s, "loadmesh_gossip_events_total", event="pulls_sent") == 2
     assert value(s, "loadmesh_gossip_events_total", event="bytes_sent") is None
+    assert value(s, "loadmesh_gossip_sent_purpose_bytes_total", purpose="liveness") == 236
+    assert value(s, "loadmesh_gossip_events_total", event="bytes_sent_liveness") is None
     assert value(s, "loadmesh_route_decisions_total", outcome="routed", reason="session") == 5
     assert value(s, "loadmesh_route_decisions_total", outcome="no_peer",
                  reason="unknown_model") == 1
