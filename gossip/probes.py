@@ -24,11 +24,11 @@ node probes less eagerly instead of accusing healthy peers.
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from loadmesh.gossip.deadlines import Deadlines
 from loadmesh.gossip.membership import Addr
 
 # Relayed probes kept at once: ping-reqs come from peers' failed probes, a few a period
@@ -112,7 +112,7 @@ class Relays:
     def __init__(self, limit: int = MAX_RELAYS) -> None:
         self.limit = limit
         self._by_seq: dict[int, Relay] = {}
-        self._heap: list[tuple[int, int]] = []
+        self._nacks: Deadlines[int] = Deadlines()
 
     def __len__(self) -> int:
         return len(self._by_seq)
@@ -121,32 +121,21 @@ class Relays:
         if len(self._by_seq) >= self.limit:
             return False
         self._by_seq[seq] = relay
-        heapq.heappush(self._heap, (relay.nack_at, seq))
+        self._nacks.set(seq, relay.nack_at)
         return True
 
     def take(self, seq: int) -> Relay | None:
+        self._nacks.discard(seq)
         return self._by_seq.pop(seq, None)
 
     def due(self, now: int) -> list[Relay]:
         """Relays unanswered by their nack time: each gets a nack, then is forgotten."""
-        out = []
-        heap, by_seq = self._heap, self._by_seq
-        while heap and heap[0][0] <= now:
-            at, seq = heapq.heappop(heap)
-            relay = by_seq.get(seq)
-            if relay is not None and relay.nack_at == at:
-                del by_seq[seq]
-                out.append(relay)
-        return out
+        return [self._by_seq.pop(seq) for seq in self._nacks.due(now)]
 
     def next_deadline(self) -> int | None:
-        heap, by_seq = self._heap, self._by_seq
-        while heap and ((r := by_seq.get(heap[0][1])) is None or r.nack_at != heap[0][0]):
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        return self._nacks.next()
 
     def postpone(self, ms: int) -> None:
         for relay in self._by_seq.values():
             relay.nack_at += ms
-        self._heap = [(r.nack_at, seq) for seq, r in self._by_seq.items()]
-        heapq.heapify(self._heap)
+        self._nacks.shift(ms)

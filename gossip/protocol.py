@@ -57,6 +57,7 @@ from loadmesh.gossip.broadcasts import BroadcastQueue
 from loadmesh.gossip.codec import ContentCodec
 from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.cookies import AddressCookies, PeerTokens
+from loadmesh.gossip.deadlines import Deadlines
 from loadmesh.gossip.delta import DeltaError
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import Addr, Peer, PeerState, PeerTable
@@ -184,8 +185,9 @@ class GossipCore:
         # directly and through others) while the suspicion runs, and the seq of the last
         # such probe. A refutation lost on the way back to an accuser would otherwise let
         # it declare a live node dead.
-        self._rechecks: dict[int, tuple[int, int]] = {}
-        self._recheck_of: dict[int, int] = {}  # seq -> suspect
+        self._rechecks: Deadlines[int] = Deadlines()
+        self._recheck_seq: dict[int, int] = {}  # suspect -> seq of its last recheck
+        self._recheck_of: dict[int, int] = {}  # and back
         self._refuted_at = -params.probe_interval_ms
         self._helpers_asked = 0
         # The deadline last given to the driver: a call much later means this node stalled.
@@ -233,6 +235,7 @@ class GossipCore:
         self.health.change(1)
         self.suspicions.postpone(ms)
         self.relays.postpone(ms)
+        self._rechecks.shift(ms)
         self._next_probe += ms
         probe = self.probe
         if probe is not None:
@@ -247,9 +250,8 @@ class GossipCore:
             t = min(t, self._next_probe)
         else:
             t = min(t, probe.ends_at if probe.acked or probe.helpers else probe.indirect_at)
-        recheck = min(at for at, _ in self._rechecks.values()) if self._rechecks else None
         for other in (self.table.next_deadline(self.params.reap_after_ms), self.pulls.next_deadline(),
-                      self.suspicions.next_deadline(), self.relays.next_deadline(), recheck):
+                      self.suspicions.next_deadline(), self.relays.next_deadline(), self._rechecks.next()):
             if other is not None and other < t:
                 t = other
         if self._seeds and self._next_join < t and self.table.live_count == 0:
@@ -277,11 +279,10 @@ class GossipCore:
             self.counts["pull_retries"] += len(wants)
             out += self._pull(addr, wants)
         out += self._probing(now)
-        for key, (at, _) in list(self._rechecks.items()):
-            if at <= now:
-                peer = self.table.get(key)
-                if peer is not None and peer.state is PeerState.SUSPECT:
-                    out += self._recheck(peer, now)
+        for key in self._rechecks.due(now):
+            peer = self.table.get(key)
+            if peer is not None and peer.state is PeerState.SUSPECT:
+                out += self._recheck(peer, now)
         for relay in self.relays.due(now):
             self.counts["nacks_sent"] += 1
             out += self._count_sent([(relay.requester, self._seal(
@@ -389,7 +390,7 @@ class GossipCore:
             # failed probe and a stale rumour cannot together kill a live node.
             if self.suspicions.confirm(peer.key, self.key):
                 self.suspicions.hold(peer.key, now + 2 * self.health.scale(self.params.probe_interval_ms) + 1)
-        self._rechecks[peer.key] = (now + self.health.scale(self.params.probe_interval_ms), 0)
+        self._rechecks.set(peer.key, now + self.health.scale(self.params.probe_interval_ms))
         entry = (peer.key, peer.version, peer.incarnation | _ACCUSED)
         self._announce(*entry)
         addr = peer.gossip_addr
@@ -414,10 +415,10 @@ class GossipCore:
     def _recheck(self, peer: Peer, now: int) -> Outgoing:
         """Probe a suspect again, straight and through `indirect_checks` others at once,
         saying it is suspected; due again a period later while it stays suspect."""
-        _, old = self._rechecks.get(peer.key, (0, 0))
-        self._recheck_of.pop(old, None)
+        self._recheck_of.pop(self._recheck_seq.get(peer.key, 0), None)
         seq = self._new_probe_seq()
-        self._rechecks[peer.key] = (now + self.health.scale(self.params.probe_interval_ms), seq)
+        self._rechecks.set(peer.key, now + self.health.scale(self.params.probe_interval_ms))
+        self._recheck_seq[peer.key] = seq
         self._recheck_of[seq] = peer.key
         return self._ping(peer, seq) + self._ask_helpers(peer.key, seq)
 
@@ -1031,8 +1032,8 @@ class GossipCore:
             self.pulls.forget(peer.key)
         if new is not PeerState.SUSPECT:
             self.suspicions.clear(peer.key)
-            _, seq = self._rechecks.pop(peer.key, (0, 0))
-            self._recheck_of.pop(seq, None)
+            self._rechecks.discard(peer.key)
+            self._recheck_of.pop(self._recheck_seq.pop(peer.key, 0), None)
         if new is PeerState.ALIVE and old in (None, PeerState.DEAD):
             self._probe_order.add(peer.key)
         if self.observer is not None:

@@ -12,16 +12,17 @@ hear of it and refute, and a corroborated one is acted on quickly. An accuser co
 however often it repeats itself; only a node that failed its own probe is an accuser
 (gossip/protocol.py, wire.STATUS_ACCUSED), never one that relays another's suspicion.
 
-Deadlines are kept in a heap (an entry whose deadline has moved is skipped when it
-surfaces), so a tick costs nothing while no suspicion is due. The number of suspicions is
-bounded by the peer table (one per peer at most).
+Deadlines are kept in a heap (gossip/deadlines.py), so a tick costs nothing while no
+suspicion is due. The number of suspicions is bounded by the peer table (one per peer at
+most).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
+
+from loadmesh.gossip.deadlines import Deadlines
 
 
 @dataclass(slots=True)
@@ -30,14 +31,13 @@ class _Suspicion:
     min_ms: int
     max_ms: int
     expected: int
-    deadline: int
     accusers: set[int] = field(default_factory=set)
 
 
 class Suspicions:
     def __init__(self) -> None:
         self._by_key: dict[int, _Suspicion] = {}
-        self._heap: list[tuple[int, int]] = []
+        self._deadlines: Deadlines[int] = Deadlines()
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -49,12 +49,11 @@ class Suspicions:
               expected: int) -> None:
         """Suspect `key` from now; `accuser`: who failed to reach it (None: a relayed
         suspicion, which no one has corroborated here yet)."""
-        s = _Suspicion(now, min_ms, max(min_ms, max_ms), expected, 0)
+        s = _Suspicion(now, min_ms, max(min_ms, max_ms), expected)
         if accuser is not None:
             s.accusers.add(accuser)
-        s.deadline = self._deadline(s)
         self._by_key[key] = s
-        heapq.heappush(self._heap, (s.deadline, key))
+        self._deadlines.set(key, self._deadline(s))
 
     def confirm(self, key: int, accuser: int) -> bool:
         """`accuser` failed to reach `key` too; True when that was news (a new accuser of
@@ -64,17 +63,16 @@ class Suspicions:
             return False
         s.accusers.add(accuser)
         deadline = self._deadline(s)
-        if deadline < s.deadline:
-            s.deadline = deadline
-            heapq.heappush(self._heap, (deadline, key))
+        current = self._deadlines.get(key)
+        if current is None or deadline < current:
+            self._deadlines.set(key, deadline)
         return True
 
     def hold(self, key: int, until: int) -> None:
         """No verdict on `key` before `until` (a new accuser's time to check for itself)."""
-        s = self._by_key.get(key)
-        if s is not None and s.deadline < until:
-            s.deadline = until
-            heapq.heappush(self._heap, (until, key))
+        current = self._deadlines.get(key)
+        if key in self._by_key and (current is None or current < until):
+            self._deadlines.set(key, until)
 
     @staticmethod
     def _deadline(s: _Suspicion) -> int:
@@ -89,31 +87,19 @@ class Suspicions:
 
     def clear(self, key: int) -> None:
         self._by_key.pop(key, None)
+        self._deadlines.discard(key)
 
     def due(self, now: int) -> list[tuple[int, set[int]]]:
         """The suspects whose time to refute is up, with their accusers; they are no
         longer tracked."""
-        out = []
-        heap, by_key = self._heap, self._by_key
-        while heap and heap[0][0] <= now:
-            at, key = heapq.heappop(heap)
-            s = by_key.get(key)
-            if s is not None and s.deadline == at:
-                del by_key[key]
-                out.append((key, s.accusers))
-        return out
+        return [(key, self._by_key.pop(key).accusers) for key in self._deadlines.due(now)]
 
     def next_deadline(self) -> int | None:
-        heap, by_key = self._heap, self._by_key
-        while heap and ((s := by_key.get(heap[0][1])) is None or s.deadline != heap[0][0]):
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        return self._deadlines.next()
 
     def postpone(self, ms: int) -> None:
         """This node was stalled for `ms`: refutations may be waiting, unread, in its
         socket. Every suspect gets that much longer."""
         for s in self._by_key.values():
             s.started += ms
-            s.deadline += ms
-        self._heap = [(s.deadline, k) for k, s in self._by_key.items()]
-        heapq.heapify(self._heap)
+        self._deadlines.shift(ms)

@@ -15,6 +15,7 @@ from loadmesh.gossip.pulls import PullTracker
 from loadmesh.gossip.ratelimit import SourceLimiter, TokenBucket, source_key
 from loadmesh.gossip.replay import ReplayGuard
 from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState, encode
+from loadmesh.gossip.deadlines import Deadlines
 from loadmesh.gossip.probes import LocalHealth, ProbeOrder, Relay, Relays
 from loadmesh.gossip.suspicion import Suspicions
 from loadmesh.gossip.wire import node_key
@@ -229,6 +230,20 @@ def test_the_probe_order_visits_each_peer_once_a_pass_and_newcomers_mid_pass() -
     assert order.next(lambda: list(live), lambda k: True) == 5
     assert ProbeOrder(random.Random(1)).next(list, lambda k: True) is None
     assert ProbeOrder(random.Random(1)).next(lambda: [1, 2], lambda k: k != 1) == 2
+
+
+def test_deadlines_come_earliest_first_once_each_and_move_together() -> None:
+    d: Deadlines[str] = Deadlines()
+    d.set("a", 300)
+    d.set("b", 100)
+    d.set("a", 50)  # moved: the old entry is skipped when it surfaces
+    d.set("c", 100)
+    d.discard("c")
+    assert d.next() == 50 and len(d) == 2
+    assert d.due(99) == ["a"] and d.due(99) == []
+    d.shift(1000)
+    assert d.next() == 1100 and d.due(1099) == [] and d.due(10**6) == ["b"]
+    assert d.next() is None and "b" not in d
 
 
 def test_relays_answer_once_nack_at_their_time_and_are_bounded() -> None:
