@@ -189,7 +189,6 @@ class GossipCore:
         self._recheck_seq: dict[int, int] = {}  # suspect -> seq of its last recheck
         self._recheck_of: dict[int, int] = {}  # and back
         self._refuted_at = -params.probe_interval_ms
-        self._helpers_asked = 0
         # The deadline last given to the driver: a call much later means this node stalled.
         self._due: int | None = None
         self._seeds: list[Addr] = []
@@ -315,8 +314,8 @@ class GossipCore:
         probe = self.probe
         if probe is not None:
             if not probe.acked and not probe.helpers and now >= probe.indirect_at:
-                out += self._ask_helpers(probe.target, probe.seq)
-                probe.helpers = self._helpers_asked
+                probe.helpers, asked = self._ask_helpers(probe.target, probe.seq)
+                out += asked
                 if not probe.helpers:
                     probe.indirect_at = probe.ends_at  # nobody to ask: wait for the verdict
             if now >= probe.ends_at:
@@ -352,16 +351,15 @@ class GossipCore:
         addr = peer.gossip_addr
         return self._count_sent([(addr, self._seal(Kind.PING, addr, wire.pack_ping(seq), flags))])
 
-    def _ask_helpers(self, target: int, seq: int) -> Outgoing:
-        """Ping-reqs about `target` to up to indirect_checks live peers (how many:
-        _helpers_asked)."""
+    def _ask_helpers(self, target: int, seq: int) -> tuple[int, Outgoing]:
+        """Ping-reqs about `target` to up to indirect_checks live peers: how many, and
+        the datagrams."""
         helpers = [peer for peer in self.table.sample_live(self.params.indirect_checks + 1, self.rng)
                    if peer.key != target][:self.params.indirect_checks]
-        self._helpers_asked = len(helpers)
         body = wire.pack_ping_req(seq, target)
         self.counts["ping_reqs_sent"] += len(helpers)
-        return self._count_sent([(peer.gossip_addr, self._seal(Kind.PING_REQ, peer.gossip_addr, body))
-                                 for peer in helpers])
+        return len(helpers), self._count_sent([(peer.gossip_addr, self._seal(Kind.PING_REQ, peer.gossip_addr, body))
+                                               for peer in helpers])
 
     def _verdict(self, probe: Probe, now: int) -> Outgoing:
         health = self.health
@@ -420,7 +418,7 @@ class GossipCore:
         self._rechecks.set(peer.key, now + self.health.scale(self.params.probe_interval_ms))
         self._recheck_seq[peer.key] = seq
         self._recheck_of[seq] = peer.key
-        return self._ping(peer, seq) + self._ask_helpers(peer.key, seq)
+        return self._ping(peer, seq) + self._ask_helpers(peer.key, seq)[1]
 
     def _declare_dead(self, key: int, now: int) -> Outgoing:
         """A suspicion ran out unrefuted: dead, and the news pushed at once."""
