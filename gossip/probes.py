@@ -88,9 +88,9 @@ class ProbeOrder:
         self._order.insert(at, key)
 
     def next_up(self, key: int) -> None:
-        """Probe `key` next (a suspicion of it was heard): every node that hears of one
-        checks for itself within a period, which corroborates a death at once and
-        brings a live suspect the news, through the pings that say it is suspected."""
+        """Probe `key` next (a suspicion of it was heard): it corroborates a death at
+        once, and brings a live suspect the news through the ping that says it is
+        suspected."""
         self._order.insert(self._next, key)
 
     def next(self, live: Callable[[], list[int]], usable: Callable[[int], bool]) -> int | None:

@@ -95,6 +95,8 @@ _SUSPECT, _ACCUSED, _DEAD = (status << wire.STATUS_SHIFT for status in (
 # suspicion_max_mult times longer, and one that misses a refutation may declare a live
 # node dead. Both are rare (refutations are a lossy network's), so the bytes are little.
 _VERDICT_REPEATS = 3
+# How many nodes, of all those that hear of a suspicion, probe the suspect at once.
+_CHECKERS = 4
 # The accuser of a suspicion heard second hand (node keys are hashes: none is 0).
 _SOMEONE = 0
 # At most this many datagrams kept to send again when a new address answers with a
@@ -448,7 +450,11 @@ class GossipCore:
             # made it: it counts as one, so that this node's own failed probe corroborates it.
             self.suspicions.start(peer.key, sender if status == wire.STATUS_ACCUSED else _SOMEONE, now,
                                   shortest, longest, expected)
-            self._probe_order.next_up(peer.key)
+            # A few of the nodes that hear of it check for themselves at once: a death is
+            # corroborated within a period, a live suspect hears of it from their pings.
+            # Not all of them: every suspicion would push back every node's round.
+            if self.rng.random() * (self.table.live_count + 1) < _CHECKERS:
+                self._probe_order.next_up(peer.key)
             self._announce(peer.key, peer.version, peer.incarnation | _SUSPECT)
         elif status == wire.STATUS_ACCUSED and peer.state is PeerState.SUSPECT:
             self.suspicions.confirm(peer.key, sender)
