@@ -16,7 +16,8 @@ snapshot from a load figure L in [0, 1] that moves like a random walk with jumps
   every 5 s on average (measured over 10**6 steps: 5.0 s);
 - 1% of those changes are urgent: the node's state flips between ok and overloaded.
 
-There is no periodic heartbeat version here: liveness comes from the beats.
+There is no periodic heartbeat version here (the agent's load.heartbeat_ms): liveness
+comes from the probes, and a version a node missed waits for the owner's next one.
 """
 
 from __future__ import annotations
