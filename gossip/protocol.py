@@ -289,9 +289,7 @@ class GossipCore:
             if peer is not None and peer.state is PeerState.SUSPECT:
                 out += self._recheck(peer, now)
         for relay in self.relays.due(now):
-            self.counts["nacks_sent"] += 1
-            out += self._count_sent([(relay.requester, self._seal(
-                Kind.ACK, relay.requester, wire.pack_ack(relay.seq, None), wire.FLAG_NACK))])
+            out += self._nack(relay.requester, relay.seq)
         for key, accusers in self.suspicions.due(now):
             out += self._suspicion_ran_out(key, accusers, now)
         if now >= self._next_round:
@@ -385,9 +383,7 @@ class GossipCore:
         (or corroborates a suspicion already running), says so in its announcements, and
         tells the suspect itself, which may be alive and able to refute."""
         if self.table.suspect(peer, now):
-            self.counts["suspicions"] += 1
-            shortest, longest, expected = self.params.suspicion_ms(self.table.live_count + 1)
-            self.suspicions.start(peer.key, self.key, now, shortest, longest, expected)
+            self._start_suspicion(peer.key, self.key, now)
         else:
             # Corroborating a suspicion heard of may shorten it to nothing: this node still
             # probes the suspect itself twice before it may declare it dead, so that one
@@ -397,8 +393,12 @@ class GossipCore:
         self._rechecks.set(peer.key, now + self.health.scale(self.params.probe_interval_ms))
         entry = (peer.key, peer.version, peer.incarnation | _ACCUSED)
         self._announce(*entry)
-        addr = peer.gossip_addr
-        return self._count_sent([(addr, self._seal(Kind.GOSSIP, addr, wire.pack_entries([entry])))])
+        return self._entry_to([peer.gossip_addr], entry)
+
+    def _start_suspicion(self, key: int, accuser: int, now: int) -> None:
+        self.counts["suspicions"] += 1
+        shortest, longest, expected = self.params.suspicion_ms(self.table.live_count + 1)
+        self.suspicions.start(key, accuser, now, shortest, longest, expected)
 
     def _suspicion_ran_out(self, key: int, accusers: set[int], now: int) -> Outgoing:
         """Only a node that failed to reach the suspect itself declares it dead: the
@@ -448,12 +448,9 @@ class GossipCore:
                     out += self._push_entry(entry, self.params.urgent_fanout)
             return
         if self.table.suspect(peer, now):
-            self.counts["suspicions"] += 1
-            shortest, longest, expected = self.params.suspicion_ms(self.table.live_count + 1)
             # A relayed suspicion names no accuser, but someone other than this node
             # made it: it counts as one, so that this node's own failed probe corroborates it.
-            self.suspicions.start(peer.key, sender if status == wire.STATUS_ACCUSED else _SOMEONE, now,
-                                  shortest, longest, expected)
+            self._start_suspicion(peer.key, sender if status == wire.STATUS_ACCUSED else _SOMEONE, now)
             # A few of the nodes that hear of it check for themselves at once: a death is
             # corroborated within a period, a live suspect hears of it from their pings.
             # Not all of them: every suspicion would push back every node's round.
@@ -486,13 +483,16 @@ class GossipCore:
         else:
             entry, out = (self.key, own.version, self._own_inc), []
         if all(addr != teller for addr, _ in out):
-            out += self._count_sent([(teller, self._seal(Kind.GOSSIP, teller, wire.pack_entries([entry])))])
+            out += self._entry_to([teller], entry)
         return out
 
     def _push_entry(self, entry: tuple[int, int, int], fanout: int) -> Outgoing:
+        return self._entry_to([peer.gossip_addr for peer in self.table.sample_live(fanout, self.rng)], entry)
+
+    def _entry_to(self, addrs: list[Addr], entry: tuple[int, int, int]) -> Outgoing:
+        """One announcement, alone in a gossip datagram to each of `addrs`, now."""
         body = wire.pack_entries([entry])
-        return self._count_sent([(peer.gossip_addr, self._seal(Kind.GOSSIP, peer.gossip_addr, body))
-                                 for peer in self.table.sample_live(fanout, self.rng)])
+        return self._count_sent([(addr, self._seal(Kind.GOSSIP, addr, body)) for addr in addrs])
 
     def _on_ping(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
         own = self._own
@@ -510,12 +510,17 @@ class GossipCore:
         seq, target = wire.unpack_ping_req(dg.body)
         peer = self.table.get(target)
         if peer is None or peer.state is PeerState.DEAD:
-            self.counts["nacks_sent"] += 1
-            return self._count_sent([(addr, self._seal(Kind.ACK, addr, wire.pack_ack(seq, None), wire.FLAG_NACK))])
+            return self._nack(addr, seq)
         mine = self._new_probe_seq()
         if not self.relays.add(mine, Relay(addr, seq, target, now + self.params.probe_timeout_ms)):
             return self._drop("relays_full")
         return self._ping(peer, mine)
+
+    def _nack(self, requester: Addr, seq: int) -> Outgoing:
+        """The answer to a ping-req whose target did not answer (or is not held here)."""
+        self.counts["nacks_sent"] += 1
+        return self._count_sent([(requester, self._seal(Kind.ACK, requester, wire.pack_ack(seq, None),
+                                                        wire.FLAG_NACK))])
 
     def _on_ack(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
         seq, entry = wire.unpack_ack(dg.body)
@@ -710,12 +715,13 @@ class GossipCore:
         self.counts["drop_" + reason] += 1
         return []
 
-    def _held_version(self, key: int) -> int | None:
-        """The version of `key` this node holds (its own too); None for a node unknown."""
+    def _held(self, key: int) -> tuple[int, int] | None:
+        """The version and incarnation of `key` this node holds (its own too); None for
+        a node unknown."""
         if key == self.key:
-            return self._own.version if self._own is not None else None
+            return (self._own.version, self._own_inc) if self._own is not None else None
         peer = self.table.get(key)
-        return peer.version if peer is not None else None
+        return (peer.version, peer.incarnation) if peer is not None else None
 
     def _on_gossip(self, dg: wire.Datagram, addr: Addr, now: int) -> Outgoing:
         entries = wire.unpack_entries(dg.body)
@@ -734,18 +740,9 @@ class GossipCore:
 
     def _known_to_sender(self, entries: list[tuple[int, int, int]]) -> set[int]:
         """The nodes whose latest news the sender of `entries` already has."""
-        get, own_key, mask, unserial = self.table.get, self.key, wire.INCARNATION_MAX, wire.unserial
-        known = set()
-        for k, s, i in entries:
-            i &= mask
-            if k == own_key:
-                own = self._own
-                if own is not None and unserial(s, own.version) >= own.version and i >= self._own_inc:
-                    known.add(k)
-            elif (peer := get(k)) is not None and unserial(s, peer.version) >= peer.version \
-                    and i >= peer.incarnation:
-                known.add(k)
-        return known
+        held, mask, unserial = self._held, wire.INCARNATION_MAX, wire.unserial
+        return {k for k, s, i in entries
+                if (h := held(k)) is not None and unserial(s, h[0]) >= h[0] and i & mask >= h[1]}
 
     def _absorb(self, entries: Iterable[tuple[int, int, int]], sender: int, addr: Addr,
                 now: int, out: Outgoing) -> list[tuple[int, int]]:
@@ -756,7 +753,7 @@ class GossipCore:
         table, get, own_key, unserial = self.table, self.table.get, self.key, wire.unserial
         ceiling = self._ceiling(now)
         mask, shift = wire.INCARNATION_MAX, wire.STATUS_SHIFT
-        inc_ceiling = self._incarnation_now(now) + self.params.max_clock_skew_ms // 1000
+        inc_ceiling = self._incarnation_ceiling(now)
         for k, s, raw in entries:
             inc, status = raw & mask, raw >> shift
             peer = get(k)
@@ -807,6 +804,11 @@ class GossipCore:
         with this node's within max_clock_skew_ms could have produced by now."""
         return now + self.wall_offset_ms + self.params.max_clock_skew_ms
 
+    def _incarnation_ceiling(self, now: int) -> int:
+        """The highest incarnation (seconds of a clock) a peer whose clock agrees with
+        this node's within max_clock_skew_ms could have made by now."""
+        return self._incarnation_now(now) + self.params.max_clock_skew_ms // 1000
+
     def _own_seen(self, version: int) -> None:
         """A peer holds `version` of this node. Above this node's own (a previous
         incarnation whose clock ran ahead, or a forgery), its real versions would lose
@@ -843,7 +845,7 @@ class GossipCore:
         out: Outgoing = []
         # What the sender is behind on, among the nodes it listed (read before the
         # absorb below moves the versions held).
-        behind = [(k, wire.unserial(s, held)) for k, s, _ in entries if (held := self._held_version(k)) is not None]
+        behind = [(k, wire.unserial(s, h[0])) for k, s, _ in entries if (h := self._held(k)) is not None]
         out = self._pull(addr, self._absorb(entries, dg.sender, addr, now, out)) + out
         records = [r for k, v in behind if (r := self._record_for(k, v))]
         out += self._content_to([addr], records)
@@ -919,7 +921,7 @@ class GossipCore:
         ceiling = self._ceiling(now)
         if snap.timestamp_ms > ceiling:
             return self._drop("future")
-        if incarnation > self._incarnation_now(now) + self.params.max_clock_skew_ms // 1000:
+        if incarnation > self._incarnation_ceiling(now):
             return self._drop("implausible")
         before = self.table.get(key)
         held = before.snapshot.version if before is not None else 0
