@@ -159,9 +159,8 @@ class PeerTable:
         self.changes += 1
 
     def touch(self, peer: Peer, now: int) -> None:
-        """News from the peer as of now (a newer version, or its own datagram): alive."""
-        peer.fresh_at = now
-        self.changes += 1
+        """The peer's own datagram, as of now: fresh and alive."""
+        self.refresh(peer, now)
         if peer.state is PeerState.ALIVE:
             # To the end of its state's order: the stalest are first (see room_for).
             alive = self._alive
