@@ -116,8 +116,9 @@ static __always_inline int serving(u16 port) {
     return w && ((*w >> (port & 63)) & 1);
 }
 
-/* The segment's time, read on first use: only heads and events need it, and the clock
- * costs about as much as the flow lookup. */
+/* The segment's time: the stamp it came with (stamped(), http_entry.bpf.c), else the
+ * clock's, read on first use: only heads and events need it, and the clock costs about as
+ * much as the flow lookup. */
 static __always_inline u64 seg_time(struct lm_ctx *c) {
     if (!c->now)
         c->now = bpf_ktime_get_ns();

@@ -25,6 +25,16 @@ static __always_inline void mapped_v4(__u8 *dst, __be32 addr) {
     d[3] = addr;
 }
 
+/* The segment's time when the kernel already holds it: TCP stamps each segment it sends
+ * with its departure time (CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns; later than now
+ * only when paced), and the stamp stays with the segment through TC egress and, across a
+ * veth, to the other namespace's ingress. Taking it spares the clock read, ~40 ns on this
+ * machine, as much as the flow lookup. 0 where there is none (a segment from a NIC: no
+ * stamp, or a realtime receive stamp): seg_time() reads the clock then. */
+static __always_inline u64 stamped(struct __sk_buff *skb) {
+    return skb->tstamp_type == BPF_SKB_TSTAMP_DELIVERY_MONO ? skb->tstamp : 0;
+}
+
 /* Per packet of the interface, what comes first is the one test most packets fail: is
  * either port served? It costs two header copies and two bitmap reads (array lookups the
  * JIT inlines: no helper call); the scratch, the addresses and the rest of the TCP header
@@ -101,7 +111,7 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
         if (dir == STEP_REQ && !th.ack) {
             c->fin = 0;
             c->rst = 1;
-            c->now = 0;
+            c->now = stamped(skb);
             c->dir = dir;
             lm_steps.call(skb, STEP_CLOSE);
         }
@@ -113,7 +123,7 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
     c->len = ip_end > poff ? ip_end - poff : 0;
     c->fin = th.fin;
     c->rst = th.rst;
-    c->now = 0;
+    c->now = stamped(skb);
     c->dir = dir;
     if (c->len == 0) {
         if (c->fin || c->rst)
