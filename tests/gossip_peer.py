@@ -97,9 +97,9 @@ def hostile_asks(known: list[str], newcomer: bytes, version: int) -> dict[str, t
 
 def routine(data: bytes) -> bool:
     """Whether an agent sends a live peer this datagram on its own initiative, answer to
-    nothing: a round (gossip not asking for a reply), a push-pull or dead sync (a sync
-    asking for one), or SWIM's probing (a ping of it, a ping-req asking it to ping
-    another). Answers are syncs without the flag, pulls, content, acks."""
+    nothing the peer sent but its own gossip: a round (gossip; its first datagram asks for
+    the push-pull reply, which is gossip too), a push-pull or dead sync (a sync asking for
+    one), or SWIM's probing (a ping of it, a ping-req asking it to ping another). Answers
+    to a sync, pull or ping are syncs without the flag, pulls, content, acks."""
     kind, flags = data[3], data[4]
-    return ((kind == Kind.GOSSIP and not flags & wire.FLAG_REPLY) or (kind == Kind.SYNC and flags & wire.FLAG_REPLY)
-            or kind in (Kind.PING, Kind.PING_REQ))
+    return kind in (Kind.GOSSIP, Kind.PING, Kind.PING_REQ) or (kind == Kind.SYNC and flags & wire.FLAG_REPLY)
