@@ -102,6 +102,7 @@ class GossipComponent:
         host, port = self.service.address
         return Response.json({"address": format_addr((host, port)),
                               "table_bytes": self.service.table_bytes(),
+                              "probe_delivery": round(self.service.probe_delivery(), 3),
                               "counters": self.service.counters()})
 
     def serve_peers(self, _: Request) -> Response:

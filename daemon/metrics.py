@@ -305,9 +305,13 @@ class AgentCollector(Collector):
                                        labels=["purpose"])
         table = GaugeMetricFamily("loadmesh_gossip_table_bytes", "Bytes of peers' snapshot "
                                   "encodings held (bounded by gossip.max_table_bytes).")
+        delivery = GaugeMetricFamily("loadmesh_gossip_probe_delivery_ratio", "Share of this node's "
+                                     "pings to live peers that their own ack answered within the "
+                                     "probe timeout: (1 - loss)^2 (moving average of ~16 probes).")
         service = self.agent.gossip.service
         if service is not None:
             table.add_metric([], service.table_bytes())
+            delivery.add_metric([], service.probe_delivery())
             by_state = dict.fromkeys((s.value for s in PeerState), 0)
             for peer in service.peers():
                 if peer.node_id != self.agent.node_id:
@@ -324,7 +328,7 @@ class AgentCollector(Collector):
                     purposes.add_metric([key.removeprefix(_SENT_FOR)], n)
                 elif key not in _GOSSIP_TRAFFIC:
                     events.add_metric([key], n)
-        yield from (peers, table, *traffic.values(), purposes, dropped, events)
+        yield from (peers, table, delivery, *traffic.values(), purposes, dropped, events)
 
     def _routing(self) -> Iterator[Metric]:
         routing = self.agent.routing

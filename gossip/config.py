@@ -26,7 +26,8 @@ class GossipParams:
     max_datagram: int = setting(1400, between(512, 65_507),
                                 "largest datagram sent or accepted, the same on every node")
     # A round datagram carries announcements, each sent at most
-    # retransmit_mult * ceil(log10(N + 1)) times by each node (memberlist's limit).
+    # retransmit_mult * ceil(log10(N + 1)) times by each node (memberlist's limit), more
+    # under loss (retransmit_limit).
     retransmit_mult: int = 3
     # A round may send a peer several compound datagrams when the queue holds more than
     # one: at 1000 nodes one datagram per peer cannot carry the announcements (docs).
@@ -115,10 +116,14 @@ class GossipParams:
             raise SettingError("suspicion_min_ms", f"{self.suspicion_min_ms} must be below "
                                f"reap_after_ms ({self.reap_after_ms})")
 
-    def retransmit_limit(self, nodes: int) -> int:
+    def retransmit_limit(self, nodes: int, delivery: float = 1.0) -> int:
         """How many times a node sends one announcement: memberlist's
-        RetransmitMult * ceil(log10(N + 1))."""
-        return self.retransmit_mult * max(1, math.ceil(math.log10(nodes + 1)))
+        RetransmitMult * ceil(log10(N + 1)), over the share of datagrams that arrive
+        (the square root of `delivery`, the probes' round trips: gossip/probes.py), at
+        most twice that. A node misses every copy of a version with probability about
+        e**-(the copies that reach it): under loss, as many copies reach it as without."""
+        base = self.retransmit_mult * max(1, math.ceil(math.log10(nodes + 1)))
+        return math.ceil(base / math.sqrt(min(1.0, max(delivery, 0.25))) - 1e-9)
 
     def suspicion_ms(self, nodes: int) -> tuple[int, int, int]:
         """The shortest and longest time a suspect has to refute in a mesh of `nodes`,

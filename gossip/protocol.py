@@ -9,14 +9,16 @@ How news travels (docs/gossip.md has the figures):
 
 1. publish: the owner pushes its new version at once to `fanout` peers (to
    `urgent_fanout` for an urgent one), as a delta when it has a previous version, and
-   queues an announcement (node key, version, status and incarnation) of 14 bytes.
+   queues an announcement: 8 bytes (node key, the version's low bits), 14 with status and
+   incarnation for liveness news (wire.py, broadcasts.py).
 2. rounds: every interval_ms, to `fanout` random live peers, compound datagrams of queued
    announcements, the node's own first, then least-sent first; each is sent at most
    RetransmitMult * ceil(log10(N + 1)) times by each node that has the content. A peer
    contacted by a round answers with its own queued announcements (push-pull rumour
    mongering), which spreads news twice as fast for the same number of sends.
 3. pull: a node hearing of a version newer than the one it holds asks the announcer for
-   it, giving the version it has; the answer is a delta from that version when the
+   it (then the others that announced it, in turn, while unanswered: pulls.py), giving
+   the version it has; the answer is a delta from that version when the
    announcer can make one, else the full snapshot. So content crosses each link about
    once, and only announcements are repeated.
 4. urgent versions are relayed on first receipt, not at the next round.
@@ -48,7 +50,7 @@ import os
 import random
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -65,7 +67,7 @@ from loadmesh.gossip.pulls import PullTracker
 from loadmesh.gossip.ratelimit import SourceLimiter, TokenBucket, source_key
 from loadmesh.gossip.replay import ReplayGuard
 from loadmesh.gossip.snapshot import LoadSnapshot, SnapshotError, encode
-from loadmesh.gossip.probes import LocalHealth, Probe, ProbeOrder, Relay, Relays
+from loadmesh.gossip.probes import Delivery, LocalHealth, Probe, ProbeOrder, Relay, Relays
 from loadmesh.gossip.suspicion import Suspicions
 from loadmesh.gossip.wire import DeltaRecord, FullRecord, Kind, WireError
 
@@ -175,7 +177,7 @@ class GossipCore:
         self.newest_own_seen = 0
         self._relay_budget = TokenBucket(params.urgent_relays_per_s, 2 * params.urgent_relays_per_s)
         self._limit_for = -1
-        self._limit = 0  # retransmit limit of an announcement, for the mesh's size
+        self._limit = 0  # retransmit limit of an announcement, for the mesh's size and loss
         self.counts: Counter[str] = Counter({name: 0 for name in _BASE_COUNTERS})
         self.pulls = PullTracker(params.pull_timeout_ms, params.pull_retries, params.max_peers)
         # SWIM: this period's probe, the order of the next ones, pings made for others,
@@ -187,6 +189,7 @@ class GossipCore:
         self.relays = Relays()
         self.suspicions = Suspicions()
         self.health = LocalHealth(params.health_max)
+        self.delivery = Delivery()  # the probes' round trips: more copies of news under loss
         # Suspects this node accused: when it probes each again (saying it is suspected,
         # directly and through others) while the suspicion runs, and the seq of the last
         # such probe. A refutation lost on the way back to an accuser would otherwise let
@@ -199,6 +202,7 @@ class GossipCore:
         self._due: int | None = None
         self._seeds: list[Addr] = []
         self._entry_cap = wire.entry_capacity(params.max_datagram)
+        self._entry_room = wire.entry_room(params.max_datagram)
         self._want_cap = wire.want_capacity(params.max_datagram)
         # This node's own snapshot, and the one before it (for deltas).
         self._own: LoadSnapshot | None = None
@@ -369,6 +373,9 @@ class GossipCore:
         health = self.health
         if probe.acked:
             health.change(-1)
+            self.delivery.add(probe.direct)
+            if self._limit_for > 0:
+                self._limit = self.params.retransmit_limit(self._limit_for, self.delivery.ratio)
             return []
         # Helpers that did not even nack: this node's own network or CPU is the likelier
         # culprit (Lifeguard); with no helper to ask, the failure counts once.
@@ -478,7 +485,7 @@ class GossipCore:
             self._own_inc = min(max(accused + 1, self._incarnation_now(now)), wire.INCARNATION_MAX)
             self._own_moved_at = now
             entry = (self.key, own.version, self._own_inc)
-            self._announce(*entry, _VERDICT_REPEATS)
+            self._announce(*entry, _VERDICT_REPEATS, full=True)
             out = self._push_entry(entry, self.params.urgent_fanout)
         else:
             entry, out = (self.key, own.version, self._own_inc), []
@@ -532,6 +539,8 @@ class GossipCore:
                 return []
             if entry[0] != probe.target:
                 return self._drop("unexpected_ack")
+            if dg.sender == probe.target and now < probe.indirect_at:
+                probe.direct = True
             probe.acked = True
             return self._heard_from_probe(entry, dg.sender, addr, now)
         suspect = self._recheck_of.get(seq)
@@ -558,7 +567,7 @@ class GossipCore:
         out: Outgoing = []
         # A version it is ahead by is pulled from it, not from a helper that relayed it.
         src = peer.gossip_addr if peer is not None else addr
-        wants = self._absorb([(key, version, raw & wire.INCARNATION_MAX)], sender, src, now, out)
+        wants = self._absorb(([(key, version, raw & wire.INCARNATION_MAX)], []), sender, src, now, out)
         if peer is not None and peer.state is not PeerState.ALIVE:
             self.table.touch(peer, now)
         return self._pull(src, wants) + out
@@ -599,14 +608,15 @@ class GossipCore:
         record = self._own_record(self._own_prev_version)
         return self._content_to(targets, [record]) if record else []
 
-    def _announce(self, key: int, version: int, tail: int, repeats: int = 1) -> None:
+    def _announce(self, key: int, version: int, tail: int, repeats: int = 1, full: bool = False) -> None:
         """Queue (key, version, status << 30 | incarnation) for the rounds, to be sent
-        `retransmit_limit` times (`repeats` times that)."""
+        `retransmit_limit` times (`repeats` times that): in full when it is liveness news
+        (a status, or `full`: a new incarnation), else short (broadcasts.py)."""
         n = self.table.live_count + 1
         if n != self._limit_for:
             self._limit_for = n
-            self._limit = self.params.retransmit_limit(n)
-        self.queue.put(key, version, tail, self._limit * repeats)
+            self._limit = self.params.retransmit_limit(n, self.delivery.ratio)
+        self.queue.put(key, version, tail, self._limit * repeats, full or tail >> wire.STATUS_SHIFT != 0)
 
     def _own_record(self, have: int) -> bytes | None:
         own = self._own
@@ -733,28 +743,32 @@ class GossipCore:
             # most `limit` times, only sooner, so the news spreads about twice as fast
             # for the same bytes, and the last nodes to hear it are found by pull rather
             # than by chance.
-            reply = self.queue.take(self._entry_cap, first=self.key, skip=self._known_to_sender(entries))
+            reply = self.queue.take(self._entry_room, first=self.key, skip=self._known_to_sender(entries))
             if reply:
                 out += self._count_sent([(addr, self._seal(Kind.GOSSIP, addr, wire.pack_entries(reply)))])
         return out
 
-    def _known_to_sender(self, entries: list[tuple[int, int, int]]) -> set[int]:
-        """The nodes whose latest news the sender of `entries` already has."""
+    def _known_to_sender(self, entries: wire.Entries) -> set[int]:
+        """The nodes whose latest news the sender of `entries` already has (a short
+        announcement says nothing of the incarnation: its version is enough)."""
         held, mask, unserial = self._held, wire.INCARNATION_MAX, wire.unserial
-        return {k for k, s, i in entries
-                if (h := held(k)) is not None and unserial(s, h[0]) >= h[0] and i & mask >= h[1]}
+        full, short = entries
+        known = {k for k, s, i in full if (h := held(k)) is not None and unserial(s, h[0]) >= h[0] and i & mask >= h[1]}
+        known.update(k for k, s in short if (h := held(k)) is not None and wire.unserial_short(s, h[0]) >= h[0])
+        return known
 
-    def _absorb(self, entries: Iterable[tuple[int, int, int]], sender: int, addr: Addr,
-                now: int, out: Outgoing) -> list[tuple[int, int]]:
-        """Take the news in announcements from `sender` (their versions as low 32 bits,
-        read against the versions held); the (key, version held) to pull. A refutation
-        of a suspicion of this node goes into `out`."""
-        wants: list[tuple[int, int]] = []
+    def _absorb(self, entries: wire.Entries, sender: int, addr: Addr, now: int,
+                out: Outgoing) -> list[tuple[int, int]]:
+        """Take the news in announcements from `sender` (their versions as low bits, read
+        against the versions held); the (key, version held) to pull. A refutation of a
+        suspicion of this node goes into `out`."""
+        full, short = entries
+        wants = self._absorb_short(short, sender, addr, now) if short else []
         table, get, own_key, unserial = self.table, self.table.get, self.key, wire.unserial
         ceiling = self._ceiling(now)
         mask, shift = wire.INCARNATION_MAX, wire.STATUS_SHIFT
         inc_ceiling = self._incarnation_ceiling(now)
-        for k, s, raw in entries:
+        for k, s, raw in full:
             inc, status = raw & mask, raw >> shift
             peer = get(k)
             if peer is not None:
@@ -777,7 +791,7 @@ class GossipCore:
                     if status and inc == peer.incarnation:
                         self._hear_status(peer, status, sender, now, out)
                     continue
-                was = peer.state
+                was, was_inc = peer.state, peer.incarnation
                 table.merge_key(peer, v, inc, now, k == sender)
                 if v > held and self.pulls.want(k, v, held, addr, now):
                     wants.append((k, held))
@@ -786,7 +800,13 @@ class GossipCore:
                         self._hear_status(peer, status, sender, now, out)
                 elif was is not PeerState.ALIVE and peer.state is PeerState.ALIVE:
                     # A refutation: spread it, or the rest of the mesh times it out.
-                    self._announce(k, peer.version, peer.incarnation, _VERDICT_REPEATS)
+                    self._announce(k, peer.version, peer.incarnation, _VERDICT_REPEATS, full=True)
+                elif peer.incarnation > was_inc:
+                    # A refutation heard of where the node was not suspect: it is liveness
+                    # news still, which short announcements of the versions that follow do
+                    # not carry. Untold, a node that missed it could declare the node dead
+                    # under the incarnation it replaced, and be overruled by it later.
+                    self._announce(k, held, peer.incarnation, full=True)
             elif k == own_key:
                 self._own_seen(v)
                 if status:
@@ -795,6 +815,35 @@ class GossipCore:
                     self._own_inc = inc  # a previous run's, in the same second: go on from it
             elif (self._room_for_new(source_key(addr) if k == sender else None)
                   and self.pulls.want(k, 1, 0, addr, now)):
+                wants.append((k, 0))
+        return wants
+
+    def _absorb_short(self, short: list[tuple[int, int]], sender: int, addr: Addr,
+                      now: int) -> list[tuple[int, int]]:
+        """_absorb for short announcements: versions only, the incarnations held stay."""
+        wants: list[tuple[int, int]] = []
+        table, get, own_key, unserial = self.table, self.table.get, self.key, wire.unserial_short
+        ceiling = self._ceiling(now)
+        want = self.pulls.want
+        for k, s in short:
+            peer = get(k)
+            if peer is not None:
+                v = unserial(s, peer.version)
+                if v > ceiling:
+                    self.counts["drop_implausible"] += 1
+                    continue
+                held = peer.snapshot.version
+                if v > peer.version:
+                    table.merge_key(peer, v, peer.incarnation, now, k == sender)
+                if v > held and want(k, v, held, addr, now):
+                    wants.append((k, held))
+            elif k == own_key and self._own is not None:
+                v = unserial(s, self._own.version)
+                if v > ceiling:
+                    self.counts["drop_implausible"] += 1
+                else:
+                    self._own_seen(v)
+            elif self._room_for_new(source_key(addr) if k == sender else None) and want(k, 1, 0, addr, now):
                 wants.append((k, 0))
         return wants
 
@@ -845,7 +894,9 @@ class GossipCore:
         out: Outgoing = []
         # What the sender is behind on, among the nodes it listed (read before the
         # absorb below moves the versions held).
-        behind = [(k, wire.unserial(s, h[0])) for k, s, _ in entries if (h := self._held(k)) is not None]
+        full, short = entries
+        behind = [(k, wire.unserial(s, h[0])) for k, s, _ in full if (h := self._held(k)) is not None]
+        behind += [(k, wire.unserial_short(s, h[0])) for k, s in short if (h := self._held(k)) is not None]
         out = self._pull(addr, self._absorb(entries, dg.sender, addr, now, out)) + out
         records = [r for k, v in behind if (r := self._record_for(k, v))]
         out += self._content_to([addr], records)
@@ -925,6 +976,7 @@ class GossipCore:
             return self._drop("implausible")
         before = self.table.get(key)
         held = before.snapshot.version if before is not None else 0
+        inc_before = before.incarnation if before is not None else 0
         anchor = source_key(src) if direct else None
         if before is None and not self._room_for_new(anchor):
             return []
@@ -935,7 +987,9 @@ class GossipCore:
         self.counts["records_stored"] += 1
         self.pulls.done(key, snap.version)
         if peer.version == snap.version:
-            self._announce(key, snap.version, peer.incarnation)
+            # in full when the record brought a new incarnation: a refutation, for those
+            # that hold the node suspect
+            self._announce(key, snap.version, peer.incarnation, full=before is not None and peer.incarnation > inc_before)
         elif self.pulls.want(key, peer.version, snap.version, src, now):
             wants.append((key, snap.version))
         if self.observer is not None:
@@ -998,14 +1052,14 @@ class GossipCore:
             flags = wire.FLAG_REPLY
             sent: set[int] = set()  # a peer gets each entry once a round, however many datagrams
             for _ in range(self.params.max_datagrams_per_peer):
-                entries = self.queue.take(self._entry_cap, first=self.key, skip=sent)
+                entries = self.queue.take(self._entry_room, first=self.key, skip=sent)
                 if not entries:
                     break
-                out.append((peer.gossip_addr, self._seal(Kind.GOSSIP, peer.gossip_addr, wire.pack_entries(entries),
-                                                         flags)))
+                body = wire.pack_entries(entries)
+                out.append((peer.gossip_addr, self._seal(Kind.GOSSIP, peer.gossip_addr, body, flags)))
                 flags = 0
-                if len(entries) < self._entry_cap:
-                    break
+                if len(body) - wire.ENTRIES_HEAD.size + wire.ENTRY.size <= self._entry_room:
+                    break  # not full: the queue had no more
                 sent.update(k for k, _, _ in entries)
         return self._count_sent(out)
 

@@ -2,11 +2,14 @@
 to ask again.
 
 One pull per node at a time: announcements of a version already asked for do not cause
-a second pull while the first may still answer. A pull unanswered after `timeout_ms` is
-sent again to the same peer (which announced the version, so holds it), up to `retries`
-times; then it is given up (the core then forgets the version announced) and the next
-announcement starts a new one. Entries are
-bounded by `max_entries`, like the peer table.
+a second pull while the first may still answer, but their senders are kept (up to
+MAX_SOURCES in all), since each holds the version. A pull unanswered after `timeout_ms`
+is sent again, to the next of those sources in turn: `retries` times, and once more for
+each source beyond the first. Then it is given up (the core then forgets the version
+announced) and the next announcement starts a new one. Under 20% loss a pull and its
+answer both arrive 64% of the time: three tries to one peer left 4% of the pulls
+unanswered, each a node without the version until its owner's next one (docs/gossip.md).
+Entries are bounded by `max_entries`, like the peer table.
 """
 
 from __future__ import annotations
@@ -14,8 +17,12 @@ from __future__ import annotations
 import heapq
 from loadmesh.gossip.membership import Addr
 
-# A pull in flight: (version asked, version held, asked from, answer due by, tries so far).
-_Pull = tuple[int, int, Addr, int, int]
+# A pull in flight: (version asked, version held, asked from, answer due by, tries so far,
+# the sources that announced the version, in the order they are asked).
+_Pull = tuple[int, int, Addr, int, int, tuple[Addr, ...]]
+# Each source is one more try: a third source adds little that a second does not, and
+# the sources held bound what one announcer's lies can make this node send.
+MAX_SOURCES = 3
 
 
 class PullTracker:
@@ -36,6 +43,9 @@ class PullTracker:
         it, or when the tracker is full."""
         pull = self._inflight.get(key)
         if pull is not None and pull[0] >= version and pull[3] > now:
+            sources = pull[5]
+            if len(sources) < MAX_SOURCES and addr not in sources:
+                self._inflight[key] = pull[:5] + (sources + (addr,),)
             return False
         if pull is None and len(self._inflight) >= self.max_entries:
             self._expire(now)
@@ -43,7 +53,7 @@ class PullTracker:
                 self.refused += 1
                 return False
         deadline = now + self.timeout_ms
-        self._inflight[key] = (version, have, addr, deadline, 0)
+        self._inflight[key] = (version, have, addr, deadline, 0, (addr,))
         heapq.heappush(self._deadlines, (deadline, key))
         return True
 
@@ -67,13 +77,15 @@ class PullTracker:
             pull = self._inflight.get(key)
             if pull is None or pull[3] != deadline:
                 continue
-            version, have, addr, _, tries = pull
-            if tries >= self.retries:
+            version, have, _, _, tries, sources = pull
+            if tries >= self.retries + len(sources) - 1:
                 del self._inflight[key]
                 abandoned.append(key)
                 continue
+            tries += 1
+            addr = sources[tries % len(sources)]
             deadline = now + self.timeout_ms
-            self._inflight[key] = (version, have, addr, deadline, tries + 1)
+            self._inflight[key] = (version, have, addr, deadline, tries, sources)
             heapq.heappush(heap, (deadline, key))
             again.append((addr, key, have))
         return again, abandoned

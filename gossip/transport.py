@@ -198,6 +198,11 @@ class GossipService:
         """Snapshot encodings held for peers (GossipParams.max_table_bytes bounds it)."""
         return self.core.table.bytes if self.core is not None else 0
 
+    def probe_delivery(self) -> float:
+        """The share of this node's pings to live peers answered straight: (1 - loss)**2
+        (gossip/probes.py, Delivery); announcements are repeated more below 1."""
+        return self.core.delivery.ratio if self.core is not None else 1.0
+
     def newest_own_seen(self) -> int:
         """The highest version of this node that peers hold, when above its own (else
         what it was when last above, or 0): the owner must publish above it."""

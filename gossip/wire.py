@@ -19,14 +19,22 @@ receives at the address it came from (gossip/cookies.py).
 
 Bodies:
 
-- gossip and sync: announcements, 14 bytes each: node key u48, the low 32 bits of the
-  version (read by serial-number arithmetic, RFC 1982, against the version the receiver
-  holds: exact while the two are within 2**31 changes), and a u32 whose top two bits are the node's status as the sender holds it (0 alive, 1 suspect,
-  2 suspect by the sender's own failed probe, 3 dead) and whose low 30 bits are its
-  incarnation: seconds of the owner's wall clock since INCARNATION_EPOCH when it started
-  or last refuted a suspicion of itself, strictly increasing. Suspicions and deaths
-  are about an incarnation, and only the owner makes a greater one. Gossip carries the
-  sender's recent news; sync carries its whole table (chunked).
+- gossip and sync: announcements (an empty body: none). A u16 count of full ones, the
+  full ones, then short ones to the body's end. A full announcement, 14 bytes: node key u48, the low 32 bits of
+  the version (read by serial-number arithmetic, RFC 1982, against the version the
+  receiver holds: exact while the two are within 2**31 changes), and a u32 whose top two
+  bits are the node's status as the sender holds it (0 alive, 1 suspect, 2 suspect by
+  the sender's own failed probe, 3 dead) and whose low 30 bits are its incarnation:
+  seconds of the owner's wall clock since INCARNATION_EPOCH when it started or last
+  refuted a suspicion of itself, strictly increasing. Suspicions and deaths are about an
+  incarnation, and only the owner makes a greater one. A short announcement, 8 bytes (a
+  u64): node key << 16 | the version's low 16 bits, "a newer version of this node",
+  nothing about its liveness; exact while the receiver is within 2**15 changes of it,
+  which a live node's announcements always keep it (a node further behind has missed a
+  day of them, and a sync's full announcements carry it on). Rounds send a version of a
+  node alive under an incarnation spread before as short, liveness news as full (see
+  broadcasts.py); syncs are all full. Gossip carries the sender's recent news; sync
+  carries its whole table (chunked).
 - ping: probe seq u32. ack: probe seq u32, then the probed node's own key u64, full
   version u64 and status and incarnation u32 (the answer to a ping-req carries the
   target's); a nack (flag 0x04) has the seq only.
@@ -63,10 +71,16 @@ MAGIC = b"LM"
 # of protocol 2 read neither, so the two refuse each other's datagrams (bad_version).
 # 4: SWIM probes (ping, ack, ping-req) and a status in each announcement, where protocol
 # 3 sent beats to every peer, in the field that now holds status and incarnation.
-PROTOCOL_VERSION = 4
+# 5: short announcements (a version's news in 8 bytes) after the full ones.
+PROTOCOL_VERSION = 5
 HEADER = struct.Struct("!2sBBBQQII")
 # key (high 16 bits, low 32), version's low 32 bits, status and incarnation
 ENTRY = struct.Struct("!HIII")
+SHORT = struct.Struct("!Q")
+ENTRIES_HEAD = struct.Struct("!H")  # how many full announcements come first
+SHORT_BITS = 16
+# What a queued announcement's last field holds when it goes short (broadcasts.py).
+VERSION_ONLY = -1
 KEY_BITS = 48
 SERIAL_BITS = 32
 _SERIAL_MASK = (1 << SERIAL_BITS) - 1
@@ -119,8 +133,8 @@ class WireError(ValueError):
 def node_key(node_id: str) -> int:
     """The 48-bit name of a node on the wire (BLAKE2b of its id).
 
-    Announcements name nodes by key so that each costs 14 bytes whatever the length of
-    the id. Two ids of one mesh collide with probability about N**2 / 2**49 (2e-9 at 1000
+    Announcements name nodes by key so that each costs 8 or 14 bytes whatever the length
+    of the id. Two ids of one mesh collide with probability about N**2 / 2**49 (2e-9 at 1000
     nodes, 3e-8 at the table's bound of 4096); a collision is detected and counted when
     the second one's full record arrives (drop_key_collision), and logged by the agent.
     """
@@ -133,6 +147,12 @@ def unserial(serial: int, near: int) -> int:
     announcement and the version its receiver holds are never 2**31 changes apart."""
     d = (serial - near) & _SERIAL_MASK
     return near + d if d < _SERIAL_HALF else near - ((1 << SERIAL_BITS) - d)
+
+
+def unserial_short(serial: int, near: int) -> int:
+    """The same for a short announcement's low 16 bits."""
+    d = (serial - near) & 0xFFFF
+    return near + d if d < 0x8000 else near - (0x10000 - d)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,8 +272,14 @@ def unpack_ack(body: bytes) -> tuple[int, tuple[int, int, int] | None]:
 
 # --- announcements and wants --------------------------------------------------------------
 
+def entry_room(max_datagram: int) -> int:
+    """Bytes of announcements a datagram holds."""
+    return max_datagram - HEADER.size - TAG_BYTES - ENTRIES_HEAD.size
+
+
 def entry_capacity(max_datagram: int) -> int:
-    return (max_datagram - HEADER.size - TAG_BYTES) // ENTRY.size
+    """Full announcements a datagram holds."""
+    return entry_room(max_datagram) // ENTRY.size
 
 
 def want_capacity(max_datagram: int) -> int:
@@ -261,25 +287,37 @@ def want_capacity(max_datagram: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _entries_struct(n: int) -> struct.Struct:
-    return struct.Struct("!" + "HIII" * n)
+def _entries_struct(full: int, short: int) -> struct.Struct:
+    return struct.Struct("!H" + "HIII" * full + "Q" * short)
 
 
 def pack_entries(entries: list[tuple[int, int, int]]) -> bytes:
-    """Announcements (node key, version, status << 30 | incarnation): the version goes as
-    its low 32 bits. One C call for the whole datagram: this runs for every datagram of
-    every round."""
+    """Announcements (node key, version, status << 30 | incarnation, or VERSION_ONLY for a
+    short one), the full ones first. One C call for the whole datagram: this runs for
+    every datagram of every round."""
     m = _SERIAL_MASK
-    return _entries_struct(len(entries)).pack(*itertools.chain.from_iterable(
-        (k >> 32, k & m, v & m, t) for k, v, t in entries))
+    full = [(k >> 32, k & m, v & m, t) for k, v, t in entries if t >= 0]
+    short = [k << SHORT_BITS | v & 0xFFFF for k, v, t in entries if t < 0]
+    return _entries_struct(len(full), len(short)).pack(len(full), *itertools.chain.from_iterable(full), *short)
 
 
-def unpack_entries(body: bytes) -> list[tuple[int, int, int]]:
-    """(node key, the version's low 32 bits, status << 30 | incarnation) each: the
-    receiver reads the version against the one it holds (unserial)."""
-    if len(body) % ENTRY.size:
+Entries = tuple[list[tuple[int, int, int]], list[tuple[int, int]]]
+
+
+def unpack_entries(body: bytes) -> Entries:
+    """The full announcements, (node key, the version's low 32 bits, status << 30 |
+    incarnation) each, and the short ones, (node key, the version's low 16 bits): the
+    receiver reads each version against the one it holds (unserial, unserial_short)."""
+    if not body:
+        return [], []  # a bare contact: asks for the reply flag's answer only
+    if len(body) < ENTRIES_HEAD.size:
         raise WireError("malformed", f"announcements of {len(body)} bytes")
-    return [(h << 32 | lo, v, t) for h, lo, v, t in ENTRY.iter_unpack(body)]
+    (n,) = ENTRIES_HEAD.unpack_from(body)
+    end = ENTRIES_HEAD.size + n * ENTRY.size
+    if end > len(body) or (len(body) - end) % SHORT.size:
+        raise WireError("malformed", f"{n} full announcements in {len(body)} bytes")
+    full = [(h << 32 | lo, v, t) for h, lo, v, t in ENTRY.iter_unpack(body[ENTRIES_HEAD.size:end])]
+    return full, [(x >> SHORT_BITS, x & 0xFFFF) for (x,) in SHORT.iter_unpack(body[end:])]
 
 
 def pack_wants(wants: Iterable[tuple[int, int]]) -> bytes:

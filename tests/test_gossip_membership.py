@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loadmesh.gossip.broadcasts import BroadcastQueue
+from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.cookies import AddressCookies, PeerTokens
 from loadmesh.gossip.membership import PeerState, PeerTable
 from loadmesh.gossip.pulls import PullTracker
@@ -16,8 +17,9 @@ from loadmesh.gossip.ratelimit import SourceLimiter, TokenBucket, source_key
 from loadmesh.gossip.replay import ReplayGuard
 from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState, encode
 from loadmesh.gossip.deadlines import Deadlines
-from loadmesh.gossip.probes import LocalHealth, ProbeOrder, Relay, Relays
+from loadmesh.gossip.probes import Delivery, LocalHealth, ProbeOrder, Relay, Relays
 from loadmesh.gossip.suspicion import Suspicions
+from loadmesh.gossip import wire
 from loadmesh.gossip.wire import node_key
 
 ADDR = ("10.0.0.1", 7946)
@@ -160,25 +162,65 @@ def test_table_is_bounded_and_makes_room_only_from_the_dead() -> None:
 
 # --- the announcement queue ---------------------------------------------------------------
 
+SHORT, FULL = wire.SHORT.size, wire.ENTRY.size
+ONLY = wire.VERSION_ONLY
+
+
 def test_queue_latest_wins_least_sent_first_and_limited() -> None:
     q = BroadcastQueue()
     q.put(1, 10, 0, limit=2)
     q.put(2, 20, 0, limit=2)
-    assert q.take(1) == [(2, 20, 0)]  # newest first among the never sent
-    assert q.take(1) == [(1, 10, 0)]  # then the least sent
+    assert q.take(SHORT) == [(2, 20, ONLY)]  # newest first among the never sent
+    assert q.take(SHORT) == [(1, 10, ONLY)]  # then the least sent
     q.put(1, 11, 0, limit=2)  # news about 1 replaces its entry and starts it over
-    assert q.take(5) == [(1, 11, 0), (2, 20, 0)]
-    assert q.take(5) == [(1, 11, 0)]
-    assert q.take(5) == []
+    assert q.take(5 * SHORT) == [(1, 11, ONLY), (2, 20, ONLY)]
+    assert q.take(5 * SHORT) == [(1, 11, ONLY)]
+    assert q.take(5 * SHORT) == []
     assert len(q) == 0
+
+
+def test_queue_sends_liveness_news_full_until_it_is_spent() -> None:
+    q = BroadcastQueue()
+    q.put(1, 10, 7 | 1 << wire.STATUS_SHIFT, limit=2, full=True)  # a suspicion
+    q.put(2, 20, 5, limit=2)
+    # Room for one of each: newest first, whatever its size.
+    assert q.take(FULL + SHORT) == [(2, 20, ONLY), (1, 10, 7 | 1 << wire.STATUS_SHIFT)]
+    q.put(1, 11, 8, limit=2)  # a new version while the refutation is being spread: full
+    assert q.take(FULL) == [(1, 11, 8)]
+    assert q.take(FULL) == [(1, 11, 8)]  # both sent once: the newest first
+    assert q.take(FULL) == [(2, 20, ONLY)]
+    q.put(1, 12, 8, limit=2)  # the full news spent: short again
+    assert q.take(FULL) == [(1, 12, ONLY)]
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 6), st.booleans(), st.integers(0, 60)), max_size=60))
+def test_queue_takes_fit_their_room_and_send_each_entry_its_limit(ops: list[tuple[bool, int, bool, int]]) -> None:
+    q = BroadcastQueue()
+    sent: dict[int, int] = {}
+    for is_put, key, full, room in ops:
+        if is_put:
+            q.put(key, 1, 5, limit=2, full=full)
+            sent[key] = 0
+            continue
+        taken = q.take(room)
+        assert sum(SHORT if t == ONLY else FULL for _, _, t in taken) <= max(room, 0)
+        assert len({k for k, _, _ in taken}) == len(taken)
+        for k, _, _ in taken:
+            sent[k] += 1
+            assert sent[k] <= 2
+    while taken := q.take(1400):
+        for k, _, _ in taken:
+            sent[k] += 1
+    assert len(q) == 0 and all(n == 2 for n in sent.values())
 
 
 def test_queue_puts_first_ahead_and_skips_what_the_receiver_has() -> None:
     q = BroadcastQueue()
     for key in range(5):
         q.put(key, 1, 0, limit=3)
-    assert q.take(2, first=0) == [(0, 1, 0), (4, 1, 0)]
-    assert [e[0] for e in q.take(10, skip={3})] == [2, 1, 4, 0]
+    assert q.take(2 * SHORT, first=0) == [(0, 1, ONLY), (4, 1, ONLY)]
+    assert [e[0] for e in q.take(10 * SHORT, skip={3})] == [2, 1, 4, 0]
     assert 3 in q
 
 
@@ -194,6 +236,14 @@ def test_pull_tracker_asks_once_retries_then_gives_up() -> None:
     assert pulls.due(260) == ([(ADDR, 1, 4)], [])
     assert pulls.due(360) == ([], [1])  # retries spent: given up
     assert len(pulls) == 0
+    # Each node that announced the version is asked in turn, one more try each.
+    other, third, fourth = ("other", 1), ("third", 1), ("fourth", 1)
+    assert pulls.want(1, 7, 6, ADDR, now=400)
+    for addr in (other, ADDR, third, fourth):  # sources held: three, each once
+        assert not pulls.want(1, 7, 6, addr, now=410)
+    assert [pulls.due(t)[0] for t in (500, 600, 700, 800)] == [
+        [(other, 1, 6)], [(third, 1, 6)], [(ADDR, 1, 6)], [(other, 1, 6)]]
+    assert pulls.due(900) == ([], [1])
     assert pulls.want(2, 1, 0, ADDR, 0) and pulls.want(3, 1, 0, ADDR, 0)
     assert not pulls.want(4, 1, 0, ADDR, 50)
     assert pulls.refused == 1
@@ -219,6 +269,19 @@ def test_a_suspicion_shrinks_from_its_longest_to_its_shortest_with_accusers() ->
     sus.start(3, accuser=10, now=0, min_ms=1000, max_ms=6000, expected=1)
     sus.clear(3)
     assert sus.due(10_000) == [] and sus.next_deadline() is None
+
+
+def test_delivery_follows_the_probes_round_trips_and_raises_the_copies_of_news() -> None:
+    delivery = Delivery()
+    assert delivery.ratio == 1.0
+    rng = random.Random(1)
+    for _ in range(200):  # 20% loss each way: 64% of round trips arrive
+        delivery.add(rng.random() < 0.64)
+    assert 0.5 < delivery.ratio < 0.8
+    params = GossipParams()
+    assert params.retransmit_limit(100) == 9 and params.retransmit_limit(1000) == 12
+    assert params.retransmit_limit(100, 0.64) == 12  # 9 / 0.8: as many copies arrive
+    assert params.retransmit_limit(100, 0.0) == 18  # at most twice
 
 
 def test_the_probe_order_visits_each_peer_once_a_pass_and_newcomers_mid_pass() -> None:

@@ -58,13 +58,19 @@ def test_killed_nodes_are_detected_by_everyone() -> None:
 
 
 def test_loss_slows_but_does_not_kill() -> None:
-    result = simulate(30, 20, loss=0.2, seed=5)
+    result = simulate(30, 20, loss=0.2, kill=3, seed=5)
     assert result["false_dead"] == 0
-    # At 20% loss each way a node misses every announcement of a version now and then
-    # (e^-R with R = 6 at 30 nodes, fewer copies arriving): it then holds the owner's
-    # next version, a few seconds later. Most versions still arrive within rounds.
+    # At 20% loss each way a node would miss every announcement of a version now and then
+    # (e^-R, fewer copies arriving), then hold the owner's next version seconds later: the
+    # probes measure the loss and the copies grow to match (GossipParams.retransmit_limit),
+    # so every version reaches every node within a few rounds.
     assert result["convergence_p50_s"] < 2.0
-    assert result["unconverged"] <= 0.05 * result["versions"]
+    assert result["convergence_p99_s"] < 3.0
+    assert result["unconverged"] == 0
+    # A victim that refuted a suspicion just before it died is not revived by its
+    # refutation arriving late where it was declared dead under the incarnation before.
+    shortest, _, _ = GossipParams().suspicion_ms(30)
+    assert result["detect_dead_p99_s"] is not None and result["detect_dead_p99_s"] < shortest / 1000 + 6
 
 
 def test_timers_that_cannot_work_show_false_deaths() -> None:

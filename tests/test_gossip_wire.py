@@ -34,13 +34,14 @@ def reason(fn, *args) -> str:
 # --- framing and authentication ----------------------------------------------------------------
 
 def test_round_trip_signed_and_open() -> None:
-    body = wire.pack_entries([(1, 2, 3), (4, 5, 6)])
+    body = wire.pack_entries([(1, 2, 3), (7, 0x12345, wire.VERSION_ONLY), (4, 5, 6)])
+    assert len(body) == 2 + 2 * wire.ENTRY.size + wire.SHORT.size
     for keyring in (None, Keyring([KEY_A])):
         data = wire.seal(Kind.GOSSIP, SENDER, body, keyring, wire.FLAG_REPLY)
         dg = wire.open_datagram(data, keyring, 1400)
         assert (dg.kind, dg.sender, dg.body) == (Kind.GOSSIP, SENDER, body)
         assert dg.flags & wire.FLAG_REPLY
-        assert list(wire.unpack_entries(dg.body)) == [(1, 2, 3), (4, 5, 6)]
+        assert wire.unpack_entries(dg.body) == ([(1, 2, 3), (4, 5, 6)], [(7, 0x2345)])
     assert len(wire.seal(Kind.GOSSIP, SENDER, body, Keyring([KEY_A]))) == wire.HEADER.size + len(body) + TAG_BYTES
 
 
@@ -76,7 +77,10 @@ def test_bad_headers_are_named() -> None:
     assert reason(wire.open_datagram, bytes(70_000), None, 1400) == "oversized"
     signed_flag_no_tag = good[:4] + b"\x01" + good[5:13]
     assert reason(wire.open_datagram, signed_flag_no_tag, None, 1400) == "truncated"
-    assert reason(lambda: list(wire.unpack_entries(b"x" * 21))) == "malformed"
+    assert wire.unpack_entries(b"") == ([], [])
+    assert reason(wire.unpack_entries, b"x") == "malformed"
+    assert reason(wire.unpack_entries, b"\x00\x01" + bytes(13)) == "malformed"  # a full one cut short
+    assert reason(wire.unpack_entries, b"\x00\x00" + bytes(9)) == "malformed"  # short ones of 8 bytes
     assert reason(lambda: list(wire.unpack_wants(b"x" * 17))) == "malformed"
 
 
@@ -119,7 +123,8 @@ def test_any_bytes_are_a_clean_drop_or_a_valid_datagram(data: bytes) -> None:
             continue
         try:
             if dg.kind in (Kind.GOSSIP, Kind.SYNC):
-                assert all(len(e) == 3 for e in wire.unpack_entries(dg.body))
+                full, short = wire.unpack_entries(dg.body)
+                assert all(len(e) == 3 for e in full) and all(len(e) == 2 for e in short)
             elif dg.kind is Kind.PULL:
                 assert all(len(w) == 2 for w in wire.unpack_wants(dg.body))
             else:
@@ -218,6 +223,22 @@ def test_reference_workload_deltas_are_at_most_57_bytes() -> None:
         fulls, deltas = encoded_sizes(300, seed)
         assert statistics.mean(deltas) <= 57
         assert statistics.mean(fulls) <= 225
+
+
+KEYS = st.integers(0, 2**wire.KEY_BITS - 1)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(KEYS, st.integers(0, 2**63), st.integers(-1, 2**32 - 1)), max_size=90),
+       st.integers(0, 2**62), st.integers(-2**15 + 1, 2**15 - 1))
+def test_announcements_round_trip_and_read_back_against_the_version_held(
+        entries: list[tuple[int, int, int]], held: int, ahead: int) -> None:
+    full, short = wire.unpack_entries(wire.pack_entries(entries))
+    assert full == [(k, v & 0xFFFFFFFF, t) for k, v, t in entries if t >= 0]
+    assert short == [(k, v & 0xFFFF) for k, v, t in entries if t < 0]
+    # A short announcement is exact within 2**15 changes of the version held, either way.
+    assert wire.unserial_short((held + ahead) & 0xFFFF, held) == held + ahead
+    assert wire.unserial((held + ahead) & 0xFFFFFFFF, held) == held + ahead
 
 
 @settings(max_examples=300)

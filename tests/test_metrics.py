@@ -145,7 +145,7 @@ def _agent_view() -> SimpleNamespace:
         gpu=SimpleNamespace(devices=(GpuInfo(0, "GPU-aaa", "H100"), GpuInfo(1, "GPU-bbb", "H100"))),
         snapshot=SimpleNamespace(current=snap, model_names=lambda: {model_id("llama"): "llama"}),
         gossip=SimpleNamespace(service=SimpleNamespace(peers=lambda: peers, counters=lambda: counters,
-                                                       table_bytes=lambda: 4321)),
+                                                       table_bytes=lambda: 4321, probe_delivery=lambda: 0.64)),
         routing=SimpleNamespace(decisions={("routed", "session"): 5, ("no_peer", "unknown_model"): 1},
                                 feedback={"ok": 4}),
         reloader=SimpleNamespace(last_ok=False, last_success_s=1700000000.0))
@@ -204,6 +204,7 @@ def test_every_family_reads_the_agents_state_in_base_units() -> None:
     assert value(s, "loadmesh_peers", state="suspect") == 1
     assert value(s, "loadmesh_peers", state="dead") == 0
     assert value(s, "loadmesh_gossip_table_bytes") == 4321
+    assert value(s, "loadmesh_gossip_probe_delivery_ratio") == 0.64
     assert value(s, "loadmesh_gossip_sent_bytes_total") == 1400
     assert value(s, "loadmesh_gossip_datagrams_received_total") == 9
     assert value(s, "loadmesh_gossip_dropped_total", reason="bad_tag") == 4
