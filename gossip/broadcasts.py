@@ -5,8 +5,9 @@
 - Least-sent first, newest first among equals, so fresh news overtakes news that most
   of the mesh has already heard.
 - Each entry is sent at most `limit` times (RetransmitMult * ceil(log10(N + 1)), more
-  under loss: GossipParams.retransmit_limit; fixed when it is queued), then dropped: the queue holds at most one entry per node and
-  empties when nothing changes, so the bytes sent follow the rate of real changes.
+  under loss: GossipParams.retransmit_limit; fixed when it is queued), then dropped:
+  the queue holds at most one entry per node and empties when nothing changes, so the
+  bytes sent follow the rate of real changes.
 - An entry goes short (8 bytes, the version only: wire.py) unless it is liveness news
   (a suspicion, a death, a refutation: `full`), and stays full while news that was full
   is still being sent, so that a version published during a refutation does not cut the

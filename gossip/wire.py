@@ -20,11 +20,12 @@ receives at the address it came from (gossip/cookies.py).
 Bodies:
 
 - gossip and sync: announcements (an empty body: none). A u16 count of full ones, the
-  full ones, then short ones to the body's end. A full announcement, 14 bytes: node key u48, the low 32 bits of
-  the version (read by serial-number arithmetic, RFC 1982, against the version the
-  receiver holds: exact while the two are within 2**31 changes), and a u32 whose top two
-  bits are the node's status as the sender holds it (0 alive, 1 suspect, 2 suspect by
-  the sender's own failed probe, 3 dead) and whose low 30 bits are its incarnation:
+  full ones, then short ones to the body's end. A full announcement, 14 bytes: node key
+  u48, the low 32 bits of the version (read by serial-number arithmetic, RFC 1982,
+  against the version the receiver holds: exact while the two are within 2**31
+  changes), and a u32 whose top two bits are the node's status as the sender holds it
+  (0 alive, 1 suspect, 2 suspect by the sender's own failed probe, 3 dead) and whose
+  low 30 bits are its incarnation:
   seconds of the owner's wall clock since INCARNATION_EPOCH when it started or last
   refuted a suspicion of itself, strictly increasing. Suspicions and deaths are about an
   incarnation, and only the owner makes a greater one. A short announcement, 8 bytes (a
@@ -58,7 +59,7 @@ import functools
 import hashlib
 import itertools
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -84,7 +85,6 @@ VERSION_ONLY = -1
 KEY_BITS = 48
 SERIAL_BITS = 32
 _SERIAL_MASK = (1 << SERIAL_BITS) - 1
-_SERIAL_HALF = 1 << (SERIAL_BITS - 1)
 WANT = struct.Struct("!QQ")
 PING = struct.Struct("!I")
 PING_REQ = struct.Struct("!IQ")
@@ -141,18 +141,23 @@ def node_key(node_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(node_id.encode(), digest_size=KEY_BITS // 8).digest(), "big")
 
 
-def unserial(serial: int, near: int) -> int:
-    """The version whose low 32 bits are `serial` nearest to `near` (the version held):
-    RFC 1982's serial-number arithmetic. Versions move by one a change, so an
-    announcement and the version its receiver holds are never 2**31 changes apart."""
-    d = (serial - near) & _SERIAL_MASK
-    return near + d if d < _SERIAL_HALF else near - ((1 << SERIAL_BITS) - d)
+def _serial_reader(bits: int) -> Callable[[int, int], int]:
+    """RFC 1982's serial-number arithmetic on `bits` low bits: the value whose low bits
+    are `serial` nearest to `near`."""
+    mask, half, span = (1 << bits) - 1, 1 << (bits - 1), 1 << bits
+
+    def read(serial: int, near: int) -> int:
+        d = (serial - near) & mask
+        return near + d if d < half else near - (span - d)
+    return read
 
 
-def unserial_short(serial: int, near: int) -> int:
-    """The same for a short announcement's low 16 bits."""
-    d = (serial - near) & 0xFFFF
-    return near + d if d < 0x8000 else near - (0x10000 - d)
+# The version whose low 32 bits are `serial` nearest to `near` (the version held). Versions
+# move by one a change, so an announcement and the version its receiver holds are never
+# 2**31 changes apart.
+unserial = _serial_reader(SERIAL_BITS)
+# The same for a short announcement's low 16 bits.
+unserial_short = _serial_reader(SHORT_BITS)
 
 
 @dataclass(frozen=True, slots=True)
