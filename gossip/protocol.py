@@ -375,7 +375,7 @@ class GossipCore:
             health.change(-1)
             self.delivery.add(probe.direct)
             if self._limit_for > 0:
-                self._limit = self.params.retransmit_limit(self._limit_for, self.delivery.ratio)
+                self._set_limit(self._limit_for)
             return []
         # Helpers that did not even nack: this node's own network or CPU is the likelier
         # culprit (Lifeguard); with no helper to ask, the failure counts once.
@@ -614,9 +614,13 @@ class GossipCore:
         (a status, or `full`: a new incarnation), else short (broadcasts.py)."""
         n = self.table.live_count + 1
         if n != self._limit_for:
-            self._limit_for = n
-            self._limit = self.params.retransmit_limit(n, self.delivery.ratio)
+            self._set_limit(n)
         self.queue.put(key, version, tail, self._limit * repeats, full or tail >> wire.STATUS_SHIFT != 0)
+
+    def _set_limit(self, nodes: int) -> None:
+        """The retransmit limit for a mesh of `nodes`, at the loss the probes measure now."""
+        self._limit_for = nodes
+        self._limit = self.params.retransmit_limit(nodes, self.delivery.ratio)
 
     def _own_record(self, have: int) -> bytes | None:
         own = self._own
