@@ -29,14 +29,20 @@ log = logs.get("routing")
 # How often the router follows the table: fast next to the 500 ms gossip rounds, cheap
 # (about 0.2 ms for 100 peers when the table has changed, less when it has not).
 UPDATE_PERIOD_S = 0.1
-# How long after this agent's start the gossip has to fill its table (a join's full sync
-# takes a round trip; seeds that answer late, a few retries).
+# Peers that started within this long after this agent (a fleet starting together, a
+# rolling start's neighbours) are not slow-started: the gossip fills the table over the
+# first seconds, and later under load.
 DISCOVERY_MS = 10_000
 MAX_EXCLUDE = 64
 
 
 def now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
+
+
+def wall_ms() -> int:
+    """The clock incarnations count on: peers' starts are compared with this agent's."""
+    return time.time_ns() // 1_000_000
 
 
 class RoutingComponent:
@@ -50,13 +56,15 @@ class RoutingComponent:
         self.snapshot = snapshot
         # Peers present at our start are not slow-started: a restart of this agent must not
         # throttle the whole fleet. Joins and recoveries after that are. The table fills
-        # only as the gossip joins, so "present" is first seen within DISCOVERY_MS of the
-        # start: slow-started from the first update, the peers of a fresh or restarted
-        # agent all sat at a tenth of their weight for seconds, and it named itself for
-        # 40 /v1/best answers of 40 in tests/test_mesh.py.
+        # only as the gossip joins, so whether a peer is new is told by its own start (its
+        # incarnation), not by when this agent first heard of it: slow-started from the
+        # first update, the peers of a fresh agent sat at a tenth of their weight and it
+        # named itself for 40 /v1/best answers of 40 in tests/test_mesh.py; with "first
+        # heard of within 10 s of the start" it still did, where a busy machine took
+        # longer than that to join.
         self._since: dict[str, int | None] = {}
         self._alive: dict[str, bool] = {}
-        self._started_ms: int | None = None
+        self._started_wall_ms: int | None = None
         # What the router last read: the gossip's generation, this node's snapshot and when
         # its figures were confirmed.
         self._read: tuple[int | None, LoadSnapshot | None, int | None] | None = None
@@ -71,7 +79,7 @@ class RoutingComponent:
         snapshot.publish_bands(lambda model_id: self.router.band(model_id))
 
     async def start(self) -> None:
-        self._started_ms = now_ms()
+        self._started_wall_ms = wall_ms()
         self._update()
         self._task = asyncio.create_task(self._follow(), name="routing-update")
 
@@ -121,8 +129,7 @@ class RoutingComponent:
         for node_id, view in views.items():
             alive = view.state is not PeerState.DEAD
             if node_id not in self._since:
-                joining = self._started_ms is not None and now - self._started_ms > DISCOVERY_MS
-                self._since[node_id] = now if joining else None
+                self._since[node_id] = self._joined(view.started_ms, now)
             elif alive and not self._alive.get(node_id, True):
                 self._since[node_id] = now  # recovered: ramp up again
             self._alive[node_id] = alive
@@ -136,6 +143,14 @@ class RoutingComponent:
             del self._since[gone]
             self._alive.pop(gone, None)
         self.router.update(peers, now)
+
+    def _joined(self, started_ms: int, now: int) -> int | None:
+        """When a peer first seen now joined, on now_ms's clock, if it started after this
+        agent had (it is new: ramp it up from its start); None for the peers that were
+        there before."""
+        if self._started_wall_ms is None or started_ms <= self._started_wall_ms + DISCOVERY_MS:
+            return None
+        return now - max(0, wall_ms() - started_ms)
 
     def serve_best(self, request: Request) -> Response:
         model = request.query.get("model", "")

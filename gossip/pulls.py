@@ -66,10 +66,10 @@ class PullTracker:
     def forget(self, key: int) -> None:
         self._inflight.pop(key, None)
 
-    def due(self, now: int) -> tuple[list[tuple[Addr, int, int]], list[int]]:
-        """The pulls to send again now, as (addr, key, version held); and the keys whose
-        pulls were given up."""
-        again: list[tuple[Addr, int, int]] = []
+    def due(self, now: int) -> tuple[list[tuple[Addr, int, int, int]], list[int]]:
+        """The pulls to send again now, as (addr, key, version held, version asked); and
+        the keys whose pulls were given up."""
+        again: list[tuple[Addr, int, int, int]] = []
         abandoned: list[int] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
@@ -87,7 +87,7 @@ class PullTracker:
             deadline = now + self.timeout_ms
             self._inflight[key] = (version, have, addr, deadline, tries, sources)
             heapq.heappush(heap, (deadline, key))
-            again.append((addr, key, have))
+            again.append((addr, key, have, version))
         return again, abandoned
 
     def next_deadline(self) -> int | None:

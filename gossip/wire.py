@@ -1,16 +1,19 @@
 """Datagram framing: header, authentication tag, and the four message bodies.
 
     offset  size
-    0       2    magic "LM"
-    2       1    protocol version (4)
-    3       1    kind: 1 gossip, 2 sync, 3 pull, 4 content, 5 cookie, 6 ping, 7 ack, 8 ping-req
-    4       1    flags: 0x01 signed (a tag ends the datagram), 0x02 reply wanted (gossip,
-                 sync), 0x04 nack (ack), 0x08 you are suspected (ping)
-    5       8    sender: the sender's node key (see node_key), big-endian
-    13      8    seq: microseconds of the sender's wall clock, strictly increasing per sender
-    21      4    token: the sender's cookie for the receiver's address (to echo back)
-    25      4    echo: the last token the receiver gave the sender for this address (0: none)
-    29      ...  body
+    0       1    magic "L"
+    1       1    protocol version (6)
+    2       1    kind: 1 gossip, 2 sync, 3 pull, 4 content, 5 cookie, 6 ping, 7 ack, 8 ping-req
+    3       1    flags: 0x01 signed (a tag ends the datagram), 0x02 reply wanted (gossip,
+                 sync), 0x04 nack (ack), 0x08 you are suspected (ping), 0x10 wants
+                 (gossip)
+    4       6    sender: the sender's node key (see node_key), big-endian
+    10      6    seq: the low 48 bits of the microseconds of the sender's wall clock,
+                 strictly increasing per sender; the receiver reads them against its own
+                 clock (unserial_seq: exact within 4.4 years either way)
+    16      4    token: the sender's cookie for the receiver's address (to echo back)
+    20      4    echo: the last token the receiver gave the sender for this address (0: none)
+    24      ...  body
     end-16  16   HMAC-SHA256 of everything before it, truncated (only when signed)
 
 The tag covers seq, token and echo: a signed datagram cannot be replayed outside the
@@ -36,18 +39,29 @@ Bodies:
   node alive under an incarnation spread before as short, liveness news as full (see
   broadcasts.py); syncs are all full. Gossip carries the sender's recent news; sync
   carries its whole table (chunked).
-- ping: probe seq u32. ack: probe seq u32, then the probed node's own key u64, full
-  version u64 and status and incarnation u32 (the answer to a ping-req carries the
-  target's); a nack (flag 0x04) has the seq only.
+- ping: probe seq u32. ack: probe seq u32, then the probed node's own announcement, full
+  (14 bytes, as in gossip; the answer to a ping-req carries the target's); a nack (flag
+  0x04) has the seq only.
   ping-req: probe seq u32, target node key u64 ("ping it for me").
-- pull: wants, 16 bytes each: node key u64, the version the sender holds (0: none).
+- pull: wants, in the layout of announcements: a u16 count of full wants, the full ones
+  (16 bytes: node key u64, the version the sender holds, 0 for none), then short ones to
+  the body's end (8 bytes: node key << 16 | the low 16 bits of the version held, read by
+  the answerer against the version it holds). A want goes short when the asker holds a
+  version within 2**14 changes of the one announced to it, full otherwise.
+- gossip with flag 0x10 (wants): the body starts with a u16 length and that many bytes
+  of wants as in a pull, and the announcements follow. A push-pull reply carries the
+  replier's pulls of what the contact just announced, so they cost no datagram of their
+  own.
 - cookie: no body. "I did not act on your datagram: your address is not proven yet;
   here is a token, send again echoing it." Never larger than what it answers.
-- content: a msgpack array of records, each a msgpack array:
-  full  [0, flags, incarnation, gossip host, gossip port, encoded LoadSnapshot]
-  delta [1, flags, node key, version, back, incarnation, crc32 of the result, changes]
-  (the base version is version - back, back >= 1: one byte where a base version took nine)
-  where flags 0x01 marks an urgent version and `changes` is gossip/delta.py's encoding.
+- content: a msgpack array of records:
+  full   a msgpack array [0, flags, incarnation, gossip host, gossip port, encoded LoadSnapshot]
+  delta  msgpack bin: flags u8, node key u48, the version's low 32 bits (read against the
+         version the receiver holds), back u8 (the base version is version - back, back
+         >= 1), incarnation u32, crc32 of the result u32 (20 bytes), then the changes
+         (gossip/delta.py's encoding) to the bin's end
+  where flags 0x01 marks an urgent version. A delta costs 22 bytes around its changes,
+  where a msgpack array of the same fields took 34.
 
 Everything is checked before use; any violation raises WireError with a short reason
 that the protocol counts as a drop.
@@ -67,14 +81,18 @@ import msgpack
 
 from loadmesh.gossip.keyring import TAG_BYTES, Keyring
 
-MAGIC = b"LM"
+MAGIC = 0x4C  # "L"
 # 3: snapshot format 2 (quantized figures) and deltas as bitmap and differences; agents
 # of protocol 2 read neither, so the two refuse each other's datagrams (bad_version).
 # 4: SWIM probes (ping, ack, ping-req) and a status in each announcement, where protocol
 # 3 sent beats to every peer, in the field that now holds status and incarnation.
 # 5: short announcements (a version's news in 8 bytes) after the full ones.
-PROTOCOL_VERSION = 5
-HEADER = struct.Struct("!2sBBBQQII")
+# 6: short wants, wants in push-pull replies, binary delta records; a 24-byte header (6-byte
+# sender key and seq, 1-byte magic) and the ack's announcement as gossip's.
+PROTOCOL_VERSION = 6
+# magic, version, kind, flags, sender (high 16 bits, low 32), seq (the same), token, echo
+HEADER = struct.Struct("!BBBBHIHIII")
+KIND_AT, FLAGS_AT = 2, 3  # where kind and flags sit in the header
 # key (high 16 bits, low 32), version's low 32 bits, status and incarnation
 ENTRY = struct.Struct("!HIII")
 SHORT = struct.Struct("!Q")
@@ -86,13 +104,21 @@ KEY_BITS = 48
 SERIAL_BITS = 32
 _SERIAL_MASK = (1 << SERIAL_BITS) - 1
 WANT = struct.Struct("!QQ")
+# A want goes short while the version held is this close to the one announced: the
+# answerer, holding the announced version or a few past it, reads it exactly.
+SHORT_WANT_SPAN = 1 << 14
+WANTS_HEAD = struct.Struct("!H")  # gossip with FLAG_WANTS: the length of its wants
+# flags, key (high 16 bits, low 32), version's low 32 bits, back, incarnation, crc32
+DELTA = struct.Struct("!BHIIBII")
+MAX_BACK = 255
 PING = struct.Struct("!I")
 PING_REQ = struct.Struct("!IQ")
-ACK = struct.Struct("!IQQI")
+ACK = struct.Struct("!IHIII")  # probe seq, then a full announcement
 FLAG_SIGNED = 0x01
 FLAG_REPLY = 0x02
 FLAG_NACK = 0x04
 FLAG_SUSPECTED = 0x08
+FLAG_WANTS = 0x10
 RECORD_URGENT = 0x01
 # An announcement's last field: status << 30 | incarnation.
 STATUS_SHIFT = 30
@@ -158,6 +184,9 @@ def _serial_reader(bits: int) -> Callable[[int, int], int]:
 unserial = _serial_reader(SERIAL_BITS)
 # The same for a short announcement's low 16 bits.
 unserial_short = _serial_reader(SHORT_BITS)
+# A header's seq, its sender's clock in microseconds, read against the receiver's clock.
+SEQ_BITS = 48
+unserial_seq = _serial_reader(SEQ_BITS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +194,7 @@ class Datagram:
     kind: Kind
     flags: int
     sender: int
-    seq: int
+    seq: int  # its low 48 bits (unserial_seq)
     token: int
     echo: int
     body: bytes
@@ -181,10 +210,13 @@ class FullRecord:
 
 @dataclass(frozen=True, slots=True)
 class DeltaRecord:
+    """A delta as it came: its version as low bits, for the receiver to read against the
+    version it holds (unserial), and its base `back` versions before that."""
+
     flags: int
     key: int
-    base_version: int
-    version: int
+    serial: int
+    back: int
     incarnation: int
     crc: int
     changes: bytes
@@ -195,10 +227,10 @@ Record = FullRecord | DeltaRecord
 
 def seal(kind: Kind, sender: int, body: bytes, keyring: Keyring | None, flags: int = 0, *,
          seq: int = 0, token: int = 0, echo: int = 0) -> bytes:
-    if keyring is None:
-        return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags & ~FLAG_SIGNED, sender, seq, token, echo) + body
-    data = HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags | FLAG_SIGNED, sender, seq, token, echo) + body
-    return data + keyring.sign(data)
+    flags = flags & ~FLAG_SIGNED if keyring is None else flags | FLAG_SIGNED
+    data = HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags, sender >> 32, sender & _SERIAL_MASK,
+                       seq >> 32 & 0xFFFF, seq & _SERIAL_MASK, token, echo) + body
+    return data if keyring is None else data + keyring.sign(data)
 
 
 def open_datagram(data: bytes, keyring: Keyring | None, max_datagram: int) -> Datagram:
@@ -213,7 +245,7 @@ def open_datagram(data: bytes, keyring: Keyring | None, max_datagram: int) -> Da
         raise WireError("oversized", f"{size} bytes")
     if size < HEADER.size:
         raise WireError("truncated", f"{size} bytes")
-    magic, version, kind, flags, sender, seq, token, echo = HEADER.unpack_from(data)
+    magic, version, kind, flags, sender_hi, sender_lo, seq_hi, seq_lo, token, echo = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise WireError("bad_magic")
     if version != PROTOCOL_VERSION:
@@ -238,7 +270,8 @@ def open_datagram(data: bytes, keyring: Keyring | None, max_datagram: int) -> Da
         raise WireError("malformed", "a cookie has no body")
     if kind in _FIXED_BODY and body_size not in _FIXED_BODY[kind]:
         raise WireError("malformed", f"{kind.name} body of {body_size} bytes")
-    return Datagram(kind, flags, sender, seq, token, echo, bytes(data[HEADER.size:end]))
+    return Datagram(kind, flags, sender_hi << 32 | sender_lo, seq_hi << 32 | seq_lo, token, echo,
+                    bytes(data[HEADER.size:end]))
 
 
 _FIXED_BODY = {Kind.PING: (PING.size,), Kind.PING_REQ: (PING_REQ.size,),
@@ -264,31 +297,33 @@ def unpack_ping_req(body: bytes) -> tuple[int, int]:
 
 
 def pack_ack(seq: int, entry: tuple[int, int, int] | None) -> bytes:
-    """An ack carrying the probed node's announcement; a nack (entry None) the seq only."""
-    return PING.pack(seq) if entry is None else ACK.pack(seq, *entry)
+    """An ack carrying the probed node's announcement (node key, version, status << 30 |
+    incarnation); a nack (entry None) the seq only."""
+    if entry is None:
+        return PING.pack(seq)
+    key, version, tail = entry
+    return ACK.pack(seq, key >> 32, key & _SERIAL_MASK, version & _SERIAL_MASK, tail)
 
 
 def unpack_ack(body: bytes) -> tuple[int, tuple[int, int, int] | None]:
+    """The probe seq, and the announcement as a full one of gossip: its version as low 32
+    bits (unserial)."""
     if len(body) == PING.size:
         return PING.unpack(body)[0], None
-    seq, key, version, incarnation = ACK.unpack(body)
-    return seq, (key, version, incarnation)
+    seq, hi, lo, version, tail = ACK.unpack(body)
+    return seq, (hi << 32 | lo, version, tail)
 
 
 # --- announcements and wants --------------------------------------------------------------
 
 def entry_room(max_datagram: int) -> int:
-    """Bytes of announcements a datagram holds."""
+    """Bytes of announcements, or of wants, a datagram holds after their count."""
     return max_datagram - HEADER.size - TAG_BYTES - ENTRIES_HEAD.size
 
 
 def entry_capacity(max_datagram: int) -> int:
     """Full announcements a datagram holds."""
     return entry_room(max_datagram) // ENTRY.size
-
-
-def want_capacity(max_datagram: int) -> int:
-    return (max_datagram - HEADER.size - TAG_BYTES) // WANT.size
 
 
 @functools.lru_cache(maxsize=256)
@@ -325,15 +360,62 @@ def unpack_entries(body: bytes) -> Entries:
     return full, [(x >> SHORT_BITS, x & 0xFFFF) for (x,) in SHORT.iter_unpack(body[end:])]
 
 
-def pack_wants(wants: Iterable[tuple[int, int]]) -> bytes:
-    pack = WANT.pack
-    return b"".join(pack(k, v) for k, v in wants)
+Want = tuple[int, int, int]  # node key, version held (0: none), version announced
 
 
-def unpack_wants(body: bytes) -> Iterator[tuple[int, int]]:
-    if len(body) % WANT.size:
+def _short_want(have: int, announced: int) -> bool:
+    return have != 0 and announced - have < SHORT_WANT_SPAN
+
+
+def want_size(want: Want) -> int:
+    """The bytes pack_wants makes of `want`."""
+    return SHORT.size if _short_want(want[1], want[2]) else WANT.size
+
+
+def pack_wants(wants: Iterable[Want]) -> bytes:
+    """Wants (node key, version held, version announced), short where the version held
+    is close enough to the announced one for the answerer to read its low bits."""
+    full: list[int] = []
+    short: list[int] = []
+    for k, have, announced in wants:
+        if _short_want(have, announced):
+            short.append(k << SHORT_BITS | have & 0xFFFF)
+        else:
+            full += (k, have)
+    return struct.pack(f"!H{len(full)}Q{len(short)}Q", len(full) // 2, *full, *short)
+
+
+def unpack_wants(body: bytes) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The full wants, (node key, version held), and the short ones, (node key, the version
+    held's low 16 bits: read it against the version this node holds, unserial_short)."""
+    if len(body) < ENTRIES_HEAD.size:
         raise WireError("malformed", f"wants of {len(body)} bytes")
-    return WANT.iter_unpack(body)
+    (n,) = ENTRIES_HEAD.unpack_from(body)
+    end = ENTRIES_HEAD.size + n * WANT.size
+    if end > len(body) or (len(body) - end) % SHORT.size:
+        raise WireError("malformed", f"{n} full wants in {len(body)} bytes")
+    full = list(WANT.iter_unpack(body[ENTRIES_HEAD.size:end]))
+    return full, [(x >> SHORT_BITS, x & 0xFFFF) for (x,) in SHORT.iter_unpack(body[end:])]
+
+
+def pack_gossip(entries: bytes, wants: bytes) -> tuple[bytes, int]:
+    """A gossip body of packed announcements and, if any, packed wants; with its flag."""
+    if not wants:
+        return entries, 0
+    return WANTS_HEAD.pack(len(wants)) + wants + entries, FLAG_WANTS
+
+
+def split_gossip(body: bytes, flags: int) -> tuple[bytes, bytes]:
+    """A gossip body's announcements and wants (packed; b"" for none)."""
+    if not flags & FLAG_WANTS:
+        return body, b""
+    if len(body) < WANTS_HEAD.size:
+        raise WireError("malformed", f"gossip with wants of {len(body)} bytes")
+    (n,) = WANTS_HEAD.unpack_from(body)
+    end = WANTS_HEAD.size + n
+    if end > len(body):
+        raise WireError("malformed", f"{n} bytes of wants in {len(body)} bytes")
+    return body[end:], body[WANTS_HEAD.size:end]
 
 
 # --- content records ---------------------------------------------------------------------
@@ -343,9 +425,13 @@ def pack_full(flags: int, incarnation: int, addr: tuple[str, int], content: byte
 
 
 def pack_delta(flags: int, key: int, base_version: int, version: int, incarnation: int, crc: int,
-               changes: bytes) -> bytes:
-    return msgpack.packb([1, flags, key, version, version - base_version, incarnation, crc, changes],
-                         use_bin_type=True)
+               changes: bytes) -> bytes | None:
+    """A delta record; None where its base is too far back for one (send the full one)."""
+    back = version - base_version
+    if not 0 < back <= MAX_BACK:
+        return None
+    head = DELTA.pack(flags, key >> 32, key & _SERIAL_MASK, version & _SERIAL_MASK, back, incarnation, crc)
+    return msgpack.packb(head + changes, use_bin_type=True)
 
 
 def _array_header(n: int) -> bytes:
@@ -377,8 +463,16 @@ def _uint(value: object, limit: int, what: str) -> int:
 
 
 def _record(raw: object) -> Record:
+    if isinstance(raw, bytes):
+        if len(raw) < DELTA.size:
+            raise WireError("malformed", f"delta of {len(raw)} bytes")
+        flags, hi, lo, serial, back, incarnation, crc = DELTA.unpack_from(raw)
+        if back == 0:
+            raise WireError("malformed", "delta does not move forward from a version")
+        return DeltaRecord(flags, hi << 32 | lo, serial, back, _uint(incarnation, INCARNATION_MAX, "incarnation"),
+                           crc, raw[DELTA.size:])
     if not isinstance(raw, list) or not raw:
-        raise WireError("malformed", "record is not an array")
+        raise WireError("malformed", "record is neither an array nor a delta")
     tag = raw[0]
     if tag == 0 and len(raw) == 6:
         _, flags, incarnation, host, port, content = raw
@@ -388,23 +482,13 @@ def _record(raw: object) -> Record:
             raise WireError("malformed", "snapshot is not bytes")
         return FullRecord(_uint(flags, 255, "flags"), _uint(incarnation, INCARNATION_MAX, "incarnation"),
                           (host, _uint(port, 65535, "port")), content)
-    if tag == 1 and len(raw) == 8:
-        _, flags, key, version, back, incarnation, crc, changes = raw
-        if not isinstance(changes, bytes):
-            raise WireError("malformed", "changes are not bytes")
-        version = _uint(version, MAX_U64, "version")
-        if _uint(back, MAX_U64, "back") == 0 or back > version:
-            raise WireError("malformed", "delta does not move forward from a version")
-        return DeltaRecord(_uint(flags, 255, "flags"), _uint(key, MAX_U64, "key"), version - back, version,
-                           _uint(incarnation, INCARNATION_MAX, "incarnation"), _uint(crc, MAX_U32, "crc"),
-                           changes)
     raise WireError("malformed", f"unknown record {tag!r} of {len(raw)} fields")
 
 
 def unpack_content(body: bytes) -> tuple[list[Record], list[str]]:
     """The valid records of a content body, and the drop reason of each invalid one.
 
-    A body that is not an array of arrays is malformed as a whole (WireError)."""
+    A body that is not an array is malformed as a whole (WireError)."""
     try:
         raw = msgpack.unpackb(body, raw=False)
     except (ValueError, TypeError) as e:  # msgpack reports malformed input as ValueError

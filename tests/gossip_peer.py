@@ -83,11 +83,11 @@ def hostile_asks(known: list[str], newcomer: bytes, version: int) -> dict[str, t
     much as it can, by message kind: (kind, body, flags). `newcomer`: an encoded snapshot
     of a node the agent does not hold."""
     keys = [wire.node_key(node) for node in known]
-    wants = keys[:wire.want_capacity(1400)]
+    wants = keys[:wire.entry_room(1400) // wire.WANT.size]
     unknown = [k + 1 for k in keys[:wire.entry_capacity(1400)]]
     return {
         "sync, reply wanted": (Kind.SYNC, b"", wire.FLAG_REPLY),
-        f"pull of {len(wants)} peers": (Kind.PULL, wire.pack_wants([(k, 0) for k in wants]), 0),
+        f"pull of {len(wants)} peers": (Kind.PULL, wire.pack_wants([(k, 0, version) for k in wants]), 0),
         f"gossip of {len(unknown)} unknown nodes": (
             Kind.GOSSIP, wire.pack_entries([(k, version, 0) for k in unknown]), wire.FLAG_REPLY),
         "content, a node not held": (
@@ -101,5 +101,5 @@ def routine(data: bytes) -> bool:
     the push-pull reply, which is gossip too), a push-pull or dead sync (a sync asking for
     one), or SWIM's probing (a ping of it, a ping-req asking it to ping another). Answers
     to a sync, pull or ping are syncs without the flag, pulls, content, acks."""
-    kind, flags = data[3], data[4]
+    kind, flags = data[wire.KIND_AT], data[wire.FLAGS_AT]
     return kind in (Kind.GOSSIP, Kind.PING, Kind.PING_REQ) or (kind == Kind.SYNC and flags & wire.FLAG_REPLY)

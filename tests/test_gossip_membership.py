@@ -232,8 +232,8 @@ def test_pull_tracker_asks_once_retries_then_gives_up() -> None:
     assert not pulls.want(1, 5, 4, ("other", 1), now=50)  # in flight
     assert pulls.want(1, 6, 4, ADDR, now=60)  # a newer version is asked for again
     assert pulls.next_deadline() == 160
-    assert pulls.due(160) == ([(ADDR, 1, 4)], [])
-    assert pulls.due(260) == ([(ADDR, 1, 4)], [])
+    assert pulls.due(160) == ([(ADDR, 1, 4, 6)], [])
+    assert pulls.due(260) == ([(ADDR, 1, 4, 6)], [])
     assert pulls.due(360) == ([], [1])  # retries spent: given up
     assert len(pulls) == 0
     # Each node that announced the version is asked in turn, one more try each.
@@ -242,7 +242,7 @@ def test_pull_tracker_asks_once_retries_then_gives_up() -> None:
     for addr in (other, ADDR, third, fourth):  # sources held: three, each once
         assert not pulls.want(1, 7, 6, addr, now=410)
     assert [pulls.due(t)[0] for t in (500, 600, 700, 800)] == [
-        [(other, 1, 6)], [(third, 1, 6)], [(ADDR, 1, 6)], [(other, 1, 6)]]
+        [(other, 1, 6, 7)], [(third, 1, 6, 7)], [(ADDR, 1, 6, 7)], [(other, 1, 6, 7)]]
     assert pulls.due(900) == ([], [1])
     assert pulls.want(2, 1, 0, ADDR, 0) and pulls.want(3, 1, 0, ADDR, 0)
     assert not pulls.want(4, 1, 0, ADDR, 50)

@@ -180,6 +180,37 @@ def test_new_versions_travel_as_deltas_to_holders_of_the_previous_one() -> None:
     assert late.table.get(cores[1].key).delta is None
 
 
+def test_a_push_pull_reply_carries_the_repliers_pulls_and_the_contact_answers_them() -> None:
+    mesh, cores = mesh_of(6)
+    sent: list[tuple[Addr, Addr, wire.Datagram]] = []
+    send = mesh.send
+
+    def recording(src: Addr, out: Outgoing) -> None:
+        sent.extend((src, dst, wire.open_datagram(data, None, 1400)) for dst, data in out)
+        send(src, out)
+
+    mesh.send = recording  # type: ignore[method-assign]
+    for round_ in range(1, 6):
+        for i, core in enumerate(cores):
+            mesh.publish(core, snap(core.node_id, 200 + 10 * round_ + i, mesh.now, score=round_ / 10))
+        mesh.run(600)
+    mesh.run(2000)
+    for i, core in enumerate(cores):
+        assert set(mesh.versions(core.node_id).values()) == {250 + i}
+    replies = [i for i, (_, _, dg) in enumerate(sent) if dg.kind is Kind.GOSSIP and dg.flags & wire.FLAG_WANTS]
+    assert replies, "no reply carried a pull"
+    for i in replies:
+        replier, contact, dg = sent[i]
+        assert not dg.flags & wire.FLAG_REPLY  # only replies carry wants
+        entries, asked = wire.split_gossip(dg.body, dg.flags)
+        full, short = wire.unpack_wants(asked)
+        assert short and not full  # versions one behind: 8 bytes each
+        assert wire.unpack_entries(entries)[1], "the reply's own news went with it"
+        # the contact answers the pulls with content, as it answers a pull
+        assert any(src == contact and dst == replier and later.kind is Kind.CONTENT
+                   for src, dst, later in sent[i + 1:])
+
+
 def test_peers_lists_every_node_self_first() -> None:
     mesh, cores = mesh_of(3)
     rows = cores[0].peers(mesh.now)
@@ -400,7 +431,7 @@ def test_malformed_input_is_counted_and_dropped() -> None:
     cases = {
         "drop_truncated": b"LM\x01",
         "drop_bad_magic": b"XX" + bytes(40),
-        "drop_bad_version": signed(Kind.GOSSIP, b"")[:2] + b"\x07" + bytes(30),
+        "drop_bad_version": signed(Kind.GOSSIP, b"")[:1] + b"\x07" + bytes(30),
         "drop_unsigned": signed(Kind.GOSSIP, b"", keyring=None),
         "drop_bad_signature": signed(Kind.GOSSIP, b"", keyring=Keyring([KEY_B])),
         "drop_oversized": signed(Kind.SYNC, bytes(20 * 100)),
@@ -435,7 +466,7 @@ def _datagrams_of_a_live_mesh() -> list[bytes]:
     mesh.run(1500)
     mesh.down.add(cores[4].advertise)  # probes of it fail: ping-reqs and nacks
     mesh.run(1000)
-    assert {d[3] for d in captured} == set(Kind)
+    assert {d[wire.KIND_AT] for d in captured} == set(Kind)
     return captured
 
 

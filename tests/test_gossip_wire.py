@@ -45,6 +45,27 @@ def test_round_trip_signed_and_open() -> None:
     assert len(wire.seal(Kind.GOSSIP, SENDER, body, Keyring([KEY_A]))) == wire.HEADER.size + len(body) + TAG_BYTES
 
 
+@settings(max_examples=300)
+@given(st.integers(0, 2**48 - 1), st.integers(1_700_000_000_000_000, 2_500_000_000_000_000),
+       st.integers(-30_000_000, 30_000_000), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+       st.sampled_from(list(Kind)), st.integers(0, 255))
+def test_the_header_round_trips_and_its_seq_reads_back_against_the_receivers_clock(
+        sender: int, seq: int, skew: int, token: int, echo: int, kind: Kind, flags: int) -> None:
+    """24 bytes: the sender's 48-bit key whole, the seq's low 48 bits, read against the
+    receiver's clock (within the replay window of it, and far beyond)."""
+    data = wire.seal(kind, sender, b"", None, flags, seq=seq, token=token, echo=echo)
+    assert len(data) == wire.HEADER.size == 24
+    try:
+        dg = wire.open_datagram(data, None, 1400)
+    except WireError as e:
+        assert e.reason == "malformed"  # a kind whose body cannot be empty
+        return
+    assert (dg.kind, dg.sender, dg.token, dg.echo) == (kind, sender, token, echo)
+    assert dg.flags == flags & ~wire.FLAG_SIGNED
+    assert wire.unserial_seq(dg.seq, seq + skew) == seq
+    assert wire.unserial_seq(dg.seq, seq + 2**46) == seq  # 2.2 years apart
+
+
 def test_keyed_node_drops_wrong_key_and_unsigned() -> None:
     ours = Keyring([KEY_A])
     data = wire.seal(Kind.GOSSIP, SENDER, b"", Keyring([KEY_B]))
@@ -65,23 +86,30 @@ def test_rotation_any_key_of_the_ring_verifies_the_primary_signs() -> None:
 
 
 def test_bad_headers_are_named() -> None:
-    good = wire.seal(Kind.PULL, SENDER, wire.pack_wants([(1, 2)]), None)
+    good = wire.seal(Kind.PULL, SENDER, wire.pack_wants([(1, 2, 3)]), None)
     assert reason(wire.open_datagram, good[:5], None, 1400) == "truncated"
-    assert reason(wire.open_datagram, b"XX" + good[2:], None, 1400) == "bad_magic"
-    assert reason(wire.open_datagram, good[:2] + b"\x09" + good[3:], None, 1400) == "bad_version"
+    assert reason(wire.open_datagram, b"X" + good[1:], None, 1400) == "bad_magic"
+    assert reason(wire.open_datagram, good[:1] + b"\x09" + good[2:], None, 1400) == "bad_version"
     # Protocol 2 carried snapshot format 1 and index-value deltas: an agent of that release
     # and this one refuse each other's datagrams whole (counted), never misread a figure.
-    assert reason(wire.open_datagram, good[:2] + b"\x02" + good[3:], None, 1400) == "bad_version"
-    assert reason(wire.open_datagram, good[:3] + b"\x63" + good[4:], None, 1400) == "bad_kind"
+    assert reason(wire.open_datagram, good[:1] + b"\x02" + good[2:], None, 1400) == "bad_version"
+    # Protocols up to 5 began with "LM": their version byte is the "M" (77), refused too.
+    assert reason(wire.open_datagram, good[:1] + b"M\x05" + good[2:], None, 1400) == "bad_version"
+    assert reason(wire.open_datagram, good[:wire.KIND_AT] + b"\x63" + good[wire.KIND_AT + 1:], None,
+                  1400) == "bad_kind"
     assert reason(wire.open_datagram, wire.seal(Kind.GOSSIP, SENDER, bytes(2000), None), None, 1400) == "oversized"
     assert reason(wire.open_datagram, bytes(70_000), None, 1400) == "oversized"
-    signed_flag_no_tag = good[:4] + b"\x01" + good[5:13]
+    signed_flag_no_tag = good[:wire.FLAGS_AT] + b"\x01" + good[wire.FLAGS_AT + 1:wire.HEADER.size]
     assert reason(wire.open_datagram, signed_flag_no_tag, None, 1400) == "truncated"
     assert wire.unpack_entries(b"") == ([], [])
     assert reason(wire.unpack_entries, b"x") == "malformed"
     assert reason(wire.unpack_entries, b"\x00\x01" + bytes(13)) == "malformed"  # a full one cut short
     assert reason(wire.unpack_entries, b"\x00\x00" + bytes(9)) == "malformed"  # short ones of 8 bytes
-    assert reason(lambda: list(wire.unpack_wants(b"x" * 17))) == "malformed"
+    assert reason(wire.unpack_wants, b"") == "malformed"
+    assert reason(wire.unpack_wants, b"\x00\x01" + bytes(15)) == "malformed"  # a full one cut short
+    assert reason(wire.unpack_wants, b"\x00\x00" + bytes(9)) == "malformed"  # short ones of 8 bytes
+    assert reason(wire.split_gossip, b"\x00", wire.FLAG_WANTS) == "malformed"
+    assert reason(wire.split_gossip, b"\x00\x09" + bytes(8), wire.FLAG_WANTS) == "malformed"
 
 
 def test_content_records_chunk_to_the_datagram_limit() -> None:
@@ -98,16 +126,23 @@ def test_content_records_chunk_to_the_datagram_limit() -> None:
 
 def test_invalid_records_are_counted_one_by_one() -> None:
     good = wire.pack_delta(1, 5, 10, 11, 0, 123, b"\x90")
-    # A delta names its base by how far back it is: 0 (no move) and past version 0 are refused.
-    body = msgpack.packb([msgpack.unpackb(good), [1, 0, 5, 11, 0, 0, 0, b""], [1, 0, 5, 11, 12, 0, 0, b""],
-                          [7], "x", [0, 0, 0, "", 1, b""]])
+    assert good is not None
+    # A delta names its base by how far back it is: 0 (no move) is refused, and so is an
+    # incarnation beyond 30 bits, or a delta cut inside its fixed fields.
+    no_move = wire.DELTA.pack(0, 0, 5, 11, 0, 0, 0)
+    far_incarnation = wire.DELTA.pack(0, 0, 5, 11, 1, 2**31, 0)
+    body = msgpack.packb([msgpack.unpackb(good), no_move, far_incarnation, no_move[:19],
+                          [7], "x", [0, 0, 0, "", 1, b""]], use_bin_type=True)
     records, bad = wire.unpack_content(body)
-    assert records == [wire.DeltaRecord(1, 5, 10, 11, 0, 123, b"\x90")]
-    assert bad == ["malformed"] * 5
-    # A reference delta's record: 1 + 1 + 1 + 9 (key) + 9 (version) + 1 (back) + 3 (beat) +
-    # 5 (crc) + 2 (bin header) bytes around its changes; the base version took nine.
+    assert records == [wire.DeltaRecord(1, 5, 11, 1, 0, 123, b"\x90")]
+    assert bad == ["malformed"] * 6
+    # A reference delta's record: 2 (bin header) + 1 (flags) + 6 (key) + 4 (version's low
+    # bits) + 1 (back) + 4 (incarnation) + 4 (crc) bytes around its changes: 22, where the
+    # msgpack array of the same fields took 34.
     version = 1_764_000_000_000
-    assert len(wire.pack_delta(0, 2**63, version - 1, version, 900, 2**31, bytes(49))) == 32 + 49
+    assert len(wire.pack_delta(0, 2**47, version - 1, version, 900, 2**31, bytes(49))) == 22 + 49
+    # A base further back than a byte says: no delta, the full record goes instead.
+    assert wire.pack_delta(0, 5, version - 256, version, 0, 0, b"") is None
     assert reason(wire.unpack_content, b"\xc1") == "malformed"
     assert reason(wire.unpack_content, msgpack.packb({"a": 1})) == "malformed"
 
@@ -126,7 +161,8 @@ def test_any_bytes_are_a_clean_drop_or_a_valid_datagram(data: bytes) -> None:
                 full, short = wire.unpack_entries(dg.body)
                 assert all(len(e) == 3 for e in full) and all(len(e) == 2 for e in short)
             elif dg.kind is Kind.PULL:
-                assert all(len(w) == 2 for w in wire.unpack_wants(dg.body))
+                full, short = wire.unpack_wants(dg.body)
+                assert all(len(w) == 2 for w in full + short)
             else:
                 records, bad = wire.unpack_content(dg.body)
                 assert all(isinstance(r, (wire.FullRecord, wire.DeltaRecord)) for r in records)
@@ -274,3 +310,40 @@ def test_corrupted_deltas_fail_cleanly(data: st.DataObject) -> None:
     except delta.DeltaError:
         return
     assert result == new  # only bytes that rebuild the owner's encoding pass the CRC
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(KEYS, st.integers(0, 2**62), st.integers(0, 2**15)), max_size=80),
+       st.integers(0, 2**14 - 1), st.lists(st.tuples(KEYS, st.integers(0, 2**62), st.just(0)), max_size=20))
+def test_wants_round_trip_short_where_the_answerer_reads_them_exactly(
+        wants: list[tuple[int, int, int]], later: int, entries: list[tuple[int, int, int]]) -> None:
+    """A want (key, version held, ahead: how far the announced version is beyond it) goes
+    short only where the answerer, holding the announced version or up to 2**14 changes
+    past it, reads the version held exactly; in a gossip reply, the announcements follow
+    untouched."""
+    asked = [(k, have, have + ahead) for k, have, ahead in wants]
+    packed = wire.pack_wants(asked)
+    assert len(packed) == wire.ENTRIES_HEAD.size + sum(map(wire.want_size, asked))
+    full, short = wire.unpack_wants(packed)
+    assert len(full) + len(short) == len(asked)
+    assert sorted(full) == sorted((k, have) for k, have, a in asked if not have or a - have >= 2**14)
+    for k, low in short:
+        have, announced = next((h, a) for kk, h, a in asked if kk == k and h & 0xFFFF == low and h)
+        assert wire.unserial_short(low, announced + later) == have
+    body, flags = wire.pack_gossip(wire.pack_entries(entries), packed)
+    assert wire.split_gossip(body, flags) == (wire.pack_entries(entries), packed)
+    assert wire.pack_gossip(wire.pack_entries(entries), b"") == (wire.pack_entries(entries), 0)
+
+
+@settings(max_examples=300)
+@given(KEYS, st.integers(1, 2**62), st.integers(1, 255), st.integers(0, wire.INCARNATION_MAX),
+       st.integers(0, 2**32 - 1), st.binary(max_size=300), st.integers(-2**31 + 1, 2**31 - 1))
+def test_a_delta_record_round_trips_and_its_version_reads_back_against_the_version_held(
+        key: int, version: int, back: int, incarnation: int, crc: int, changes: bytes, off: int) -> None:
+    record = wire.pack_delta(wire.RECORD_URGENT, key, version - back, version, incarnation, crc, changes)
+    assert record is not None
+    [rec], bad = wire.unpack_content(wire.pack_content([record], 1400)[0])
+    assert not bad
+    assert rec == wire.DeltaRecord(wire.RECORD_URGENT, key, version & 0xFFFFFFFF, back, incarnation, crc, changes)
+    # read against any version held within 2**31 changes of it
+    assert wire.unserial(rec.serial, version + off) == version

@@ -10,7 +10,7 @@ import pytest
 from loadmesh.daemon import routing_component
 from loadmesh.daemon.routing import Decision, Reason, RoutingConfig
 from loadmesh.daemon.routing import router as router_module
-from loadmesh.daemon.routing_component import DISCOVERY_MS, RoutingComponent, now_ms
+from loadmesh.daemon.routing_component import DISCOVERY_MS, RoutingComponent, now_ms, wall_ms
 from loadmesh.gossip.membership import PeerState
 from loadmesh.gossip.protocol import PeerView
 from tests.test_routing_router import MODEL, snapshot
@@ -65,18 +65,23 @@ def picks(routing: RoutingComponent, n: int) -> Counter[str]:
 
 def test_peers_found_as_the_gossip_joins_are_not_slow_started() -> None:
     # The table is this node alone at the start; the join's sync brings the peers a
-    # moment later. Slow-started, they would weigh a tenth of this node for seconds.
+    # moment later, or, on a busy machine, many seconds later. Slow-started, they would
+    # weigh a tenth of this node for seconds.
     routing = component({"n0": PeerView(snapshot("n0"), PeerState.ALIVE, 0)}, now_ms())
-    routing._started_ms = now_ms()  # as start() does
+    start = wall_ms()
+    routing._started_wall_ms = start  # as start() does
     routing._update()
-    routing._started_ms -= 1000  # a second later
-    routing.gossip.put("n1", PeerView(snapshot("n1"), PeerState.ALIVE, 300))
+    # started 2 s after this agent: not new, however late the join brings it
+    routing.gossip.put("n1", PeerView(snapshot("n1"), PeerState.ALIVE, 300, start + 2000))
     routing._update()
+    assert routing._since["n1"] is None
     assert picks(routing, 400)["n1"] > 140
-    # One that joins once the table has filled is slow-started.
-    routing._started_ms -= DISCOVERY_MS
-    routing.gossip.put("n2", PeerView(snapshot("n2"), PeerState.ALIVE, 300))
+    # One that starts once this agent has run a while is slow-started, from its start.
+    routing._started_wall_ms = start - DISCOVERY_MS - 5000
+    routing.gossip.put("n2", PeerView(snapshot("n2"), PeerState.ALIVE, 300, start - 1000))
     routing._update()
+    since = routing._since["n2"]
+    assert since is not None and 900 <= now_ms() - since <= 1500
     assert picks(routing, 400)["n2"] < 40
 
 
