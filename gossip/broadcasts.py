@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+from collections.abc import KeysView
 from itertools import islice
 
 from loadmesh.gossip.wire import ENTRY, INCARNATION_MAX, SHORT, VERSION_ONLY
@@ -40,6 +41,10 @@ class BroadcastQueue:
 
     def __contains__(self, key: int) -> bool:
         return key in self._level_of
+
+    def keys(self) -> KeysView[int]:
+        """The nodes with news queued (a live view)."""
+        return self._level_of.keys()
 
     def put(self, key: int, version: int, tail: int, limit: int, full: bool = False) -> None:
         """Queue news about `key`, to be sent `limit` times, replacing older news; short
