@@ -32,7 +32,9 @@ import gc
 import heapq
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from loadmesh.gossip.codec import ContentCodec
 from loadmesh.gossip.config import GossipParams
@@ -47,6 +49,9 @@ _START, _TICK, _DELIVER, _LOAD, _KILL = range(5)
 _SEEDS = 3
 _START_SPREAD_MS = 1000
 _COOLDOWN_MS = 5000
+# Nodes whose gossip core's CPU time is measured with time_cores (perf_counter around
+# each of its calls after the warm-up): a sample, so that the timing costs next to nothing.
+_TIMED_NODES = 10
 _KEY = bytes(range(32))
 # What each kind of datagram is for, in the bytes split.
 _PURPOSES = {"liveness": (Kind.PING, Kind.ACK, Kind.PING_REQ), "announcements": (Kind.GOSSIP,),
@@ -117,7 +122,7 @@ class _Observer:
 
 class _Simulation:
     def __init__(self, nodes: int, seconds: float, loss: float, latency_ms: float, kill: int, seed: int,
-                 params: GossipParams, keyed: bool, warmup_s: float | None) -> None:
+                 params: GossipParams, keyed: bool, warmup_s: float | None, time_cores: bool = False) -> None:
         if nodes < 2:
             raise ValueError("nodes: at least 2")
         if not 0 <= loss < 1:
@@ -163,6 +168,8 @@ class _Simulation:
                                WALL_EPOCH_MS + i) for i in range(nodes)]
         self.kill_at = self.warmup + (self.end - self.warmup) / 3
         self.measure_until = self.end - _COOLDOWN_MS
+        self.timed = min(_TIMED_NODES, nodes) if time_cores else 0
+        self.core_seconds = [0.0] * self.timed  # after the warm-up
 
     # --- events -----------------------------------------------------------------------
 
@@ -214,7 +221,13 @@ class _Simulation:
             if not tracked:
                 m.first[i] = snap.version
             tracked.append(_Version(self.now, urgent))
-        self.send(i, self.cores[i].publish(snap, urgent, now_ms))
+        if i < self.timed and self.now >= self.warmup:
+            t0 = perf_counter()
+            out = self.cores[i].publish(snap, urgent, now_ms)
+            self.core_seconds[i] += perf_counter() - t0
+        else:
+            out = self.cores[i].publish(snap, urgent, now_ms)
+        self.send(i, out)
         self.count_news(i, encode(snap))
 
     def count_news(self, i: int, content: bytes) -> None:
@@ -246,12 +259,24 @@ class _Simulation:
             core = cores[i]
             if kind == _DELIVER:
                 src, data = payload  # type: ignore[misc]
-                self.send(i, core.on_datagram(data, src, int(t)))
+                if i < self.timed and t >= self.warmup:
+                    t0 = perf_counter()
+                    out = core.on_datagram(data, src, int(t))
+                    self.core_seconds[i] += perf_counter() - t0
+                else:
+                    out = core.on_datagram(data, src, int(t))
+                self.send(i, out)
             elif kind == _TICK:
                 if t != self.tick_at[i]:
                     continue  # superseded by an earlier deadline
                 self.tick_at[i] = math.inf
-                self.send(i, core.on_tick(int(t)))
+                if i < self.timed and t >= self.warmup:
+                    t0 = perf_counter()
+                    out = core.on_tick(int(t))
+                    self.core_seconds[i] += perf_counter() - t0
+                else:
+                    out = core.on_tick(int(t))
+                self.send(i, out)
             elif kind == _LOAD:
                 changed, urgent = self.loads[i].tick()
                 if changed:
@@ -320,6 +345,10 @@ class _Simulation:
         live_seconds = (self.n - self.kill) * window_s + self.kill * max(0.0, self.kill_at - self.warmup) / 1000.0
         versions = sum(len(t) for t in m.versions.values())
         live = self.n - self.kill
+        cpu: dict[str, float | None] = {}
+        if self.timed:
+            timed = [spent for i, spent in enumerate(self.core_seconds) if not self.dead[i]]
+            cpu["core_cpu_pct"] = _round(100 * statistics.mean(timed) / window_s, 2) if timed else None
         return {
             "nodes": self.n,
             "convergence_p50_s": _round(_percentile(times, 0.50)),
@@ -346,7 +375,7 @@ class _Simulation:
             "unconverged": unconverged,
             "versions_per_node_per_s": _round(versions / ((self.n - self.kill) * max(window_s - _COOLDOWN_MS / 1000, 1e-9)), 3),
             "snapshot_bytes": len(encode(self.loads[0].snapshot(WALL_EPOCH_MS))),
-        }
+        } | cpu
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -363,7 +392,7 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 
 def simulate(nodes: int, seconds: float, loss: float = 0.0, latency_ms: float = 2.0, kill: int = 0,
              seed: int = 0, *, params: GossipParams | None = None, keyed: bool = True,
-             warmup_s: float | None = None) -> dict[str, object]:
+             warmup_s: float | None = None, time_cores: bool = False) -> dict[str, object]:
     """Run the mesh of `nodes` for `seconds` of simulated time; the figures as a dict.
 
     The keys nodes, convergence_p50_s, convergence_p99_s, urgent_p99_s,
@@ -371,9 +400,12 @@ def simulate(nodes: int, seconds: float, loss: float = 0.0, latency_ms: float = 
     fixed (`loadmesh simulate gossip --json`); the others describe the run. Datagrams
     are signed (keyed=True) so that the byte counts include the tags, as in a keyed mesh.
     The warm-up (default 5 s + N/200 s, at most a third of the run) lets the nodes join
-    before anything is measured.
+    before anything is measured. time_cores adds core_cpu_pct: the CPU a node's gossip
+    core takes on this machine, in % of a core (what the agent spends on gossip less its
+    socket calls and event loop), a timing, so the report is no longer repeatable.
     """
-    sim = _Simulation(nodes, seconds, loss, latency_ms, kill, seed, params or GossipParams(), keyed, warmup_s)
+    sim = _Simulation(nodes, seconds, loss, latency_ms, kill, seed, params or GossipParams(), keyed, warmup_s,
+                      time_cores)
     # Millions of long-lived objects (a table per node) and no reference cycles made per
     # event: the cyclic collector would rescan them all, for a third of the run time.
     collecting = gc.isenabled()

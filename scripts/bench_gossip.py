@@ -64,7 +64,7 @@ SCENARIOS = (
 
 def _run(args: dict[str, object]) -> tuple[dict[str, object], float]:
     start = time.monotonic()
-    result = simulate(**args)  # type: ignore[arg-type]
+    result = simulate(**args, time_cores=True)  # type: ignore[arg-type]
     return result, time.monotonic() - start
 
 
@@ -107,7 +107,8 @@ def main() -> int:
         rows.append(("", f"({result['seconds']:g} s simulated, {result['versions']} versions, "
                      f"p50 {result['convergence_p50_s']} s, {result['bytes_per_node_per_s']} B/s "
                      f"for a content floor of {result['content_floor_bytes_per_node_per_s']} B/s "
-                     f"(x{result['x_floor']:.1f}), {wall:.0f} s to run)", "", "", ""))
+                     f"(x{result['x_floor']:.1f}), {wall:.0f} s to run; a node's gossip core "
+                     f"{result['core_cpu_pct']}% of a core)", "", "", ""))
         rows.append(("", "(bytes/s per node: " + ", ".join(f"{k} {v}" for k, v in split.items()) + ")",
                      "", "", ""))
     widths = [max(len(r[c]) for r in rows if r[1][:1] != "(") for c in range(5)]

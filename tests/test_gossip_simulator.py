@@ -29,6 +29,9 @@ def test_fixed_keys_and_sane_values(small: dict[str, object]) -> None:
     assert small["false_dead"] == 0
     assert small["detect_dead_p99_s"] is None  # nothing was killed
     assert small["unconverged"] == 0
+    assert "core_cpu_pct" not in small  # a timing: only when asked, the report stays repeatable
+    timed = simulate(30, 10, seed=7, time_cores=True)
+    assert 0 < timed["core_cpu_pct"] < 50  # a node's gossip core: some CPU, far from all of it
     # The reference workload: about one version per node every 5 s.
     assert 0.1 < small["versions_per_node_per_s"] < 0.35
 
