@@ -33,6 +33,7 @@ import heapq
 import math
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -221,14 +222,17 @@ class _Simulation:
             if not tracked:
                 m.first[i] = snap.version
             tracked.append(_Version(self.now, urgent))
-        if i < self.timed and self.now >= self.warmup:
-            t0 = perf_counter()
-            out = self.cores[i].publish(snap, urgent, now_ms)
-            self.core_seconds[i] += perf_counter() - t0
-        else:
-            out = self.cores[i].publish(snap, urgent, now_ms)
-        self.send(i, out)
+        self.send(i, self.run_core(i, self.cores[i].publish, snap, urgent, now_ms))
         self.count_news(i, encode(snap))
+
+    def run_core(self, i: int, call: Callable[..., Outgoing], *args: object) -> Outgoing:
+        """Node i's core doing `call`, timed where it is one of the timed nodes."""
+        if i >= self.timed or self.now < self.warmup:
+            return call(*args)
+        t0 = perf_counter()
+        out = call(*args)
+        self.core_seconds[i] += perf_counter() - t0
+        return out
 
     def count_news(self, i: int, content: bytes) -> None:
         # The shared codec already holds this delta: the core's publish just made it.
@@ -259,24 +263,12 @@ class _Simulation:
             core = cores[i]
             if kind == _DELIVER:
                 src, data = payload  # type: ignore[misc]
-                if i < self.timed and t >= self.warmup:
-                    t0 = perf_counter()
-                    out = core.on_datagram(data, src, int(t))
-                    self.core_seconds[i] += perf_counter() - t0
-                else:
-                    out = core.on_datagram(data, src, int(t))
-                self.send(i, out)
+                self.send(i, self.run_core(i, core.on_datagram, data, src, int(t)))
             elif kind == _TICK:
                 if t != self.tick_at[i]:
                     continue  # superseded by an earlier deadline
                 self.tick_at[i] = math.inf
-                if i < self.timed and t >= self.warmup:
-                    t0 = perf_counter()
-                    out = core.on_tick(int(t))
-                    self.core_seconds[i] += perf_counter() - t0
-                else:
-                    out = core.on_tick(int(t))
-                self.send(i, out)
+                self.send(i, self.run_core(i, core.on_tick, int(t)))
             elif kind == _LOAD:
                 changed, urgent = self.loads[i].tick()
                 if changed:

@@ -350,14 +350,23 @@ def unpack_entries(body: bytes) -> Entries:
     receiver reads each version against the one it holds (unserial, unserial_short)."""
     if not body:
         return [], []  # a bare contact: asks for the reply flag's answer only
+    full, short = _full_then_short(body, ENTRY, "announcements")
+    return [(h << 32 | lo, v, t) for h, lo, v, t in full], short
+
+
+def _full_then_short(body: bytes, full: struct.Struct, what: str) -> tuple[list[tuple[int, ...]],
+                                                                          list[tuple[int, int]]]:
+    """The layout announcements and wants share: a u16 count of full items of `full`'s
+    size, the full ones, then short ones (u64: node key << 16 | a version's low 16 bits)
+    to the body's end."""
     if len(body) < ENTRIES_HEAD.size:
-        raise WireError("malformed", f"announcements of {len(body)} bytes")
+        raise WireError("malformed", f"{what} of {len(body)} bytes")
     (n,) = ENTRIES_HEAD.unpack_from(body)
-    end = ENTRIES_HEAD.size + n * ENTRY.size
+    end = ENTRIES_HEAD.size + n * full.size
     if end > len(body) or (len(body) - end) % SHORT.size:
-        raise WireError("malformed", f"{n} full announcements in {len(body)} bytes")
-    full = [(h << 32 | lo, v, t) for h, lo, v, t in ENTRY.iter_unpack(body[ENTRIES_HEAD.size:end])]
-    return full, [(x >> SHORT_BITS, x & 0xFFFF) for (x,) in SHORT.iter_unpack(body[end:])]
+        raise WireError("malformed", f"{n} full {what} in {len(body)} bytes")
+    return (list(full.iter_unpack(body[ENTRIES_HEAD.size:end])),
+            [(x >> SHORT_BITS, x & 0xFFFF) for (x,) in SHORT.iter_unpack(body[end:])])
 
 
 Want = tuple[int, int, int]  # node key, version held (0: none), version announced
@@ -388,14 +397,8 @@ def pack_wants(wants: Iterable[Want]) -> bytes:
 def unpack_wants(body: bytes) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The full wants, (node key, version held), and the short ones, (node key, the version
     held's low 16 bits: read it against the version this node holds, unserial_short)."""
-    if len(body) < ENTRIES_HEAD.size:
-        raise WireError("malformed", f"wants of {len(body)} bytes")
-    (n,) = ENTRIES_HEAD.unpack_from(body)
-    end = ENTRIES_HEAD.size + n * WANT.size
-    if end > len(body) or (len(body) - end) % SHORT.size:
-        raise WireError("malformed", f"{n} full wants in {len(body)} bytes")
-    full = list(WANT.iter_unpack(body[ENTRIES_HEAD.size:end]))
-    return full, [(x >> SHORT_BITS, x & 0xFFFF) for (x,) in SHORT.iter_unpack(body[end:])]
+    full, short = _full_then_short(body, WANT, "wants")
+    return [(k, have) for k, have in full], short
 
 
 def pack_gossip(entries: bytes, wants: bytes) -> tuple[bytes, int]:
