@@ -4,7 +4,7 @@ VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 CONFIG  ?=
 
-.PHONY: setup run test bench bench-probe-steps bench-vllm bench-fleet clean
+.PHONY: setup run test bench bench-probe-steps bench-vllm bench-fleet bench-agent-cpu clean
 
 setup:
 	bash scripts/setup.sh
@@ -43,6 +43,13 @@ bench-vllm: setup
 # on the first run); then a slowdown, and sessions with a host killed. About 25 minutes.
 bench-fleet: setup
 	$(PYTHON) scripts/bench_fleet.py --slowdown --sessions 300
+
+# One real agent among 999 peers: the simulator records what one node of a 1000-node mesh
+# receives, and the recording is replayed to the agent on real UDP. About 12 minutes, most
+# of it the simulation.
+bench-agent-cpu:
+	bash scripts/setup.sh --bench
+	$(PYTHON) scripts/bench_agent_cpu.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -16,7 +16,7 @@ from loadmesh.daemon.health import OK, Health, StartupError
 from loadmesh.daemon.http import Request, Response
 from loadmesh.daemon.snapshot_component import SnapshotComponent
 from loadmesh.gossip.keyring import Keyring, load_keyring
-from loadmesh.gossip.protocol import PeerView
+from loadmesh.gossip.protocol import PeerView, TableMark
 from loadmesh.gossip.transport import GossipService, format_addr
 
 log = logs.get("gossip")
@@ -88,13 +88,13 @@ class GossipComponent:
         if self.service is not None:
             await self.service.set_seeds(seeds)
 
-    def generation(self) -> int | None:
-        """Moves whenever views() holds something new, beyond the ages growing; None
-        without a running service."""
-        return None if self.service is None else self.service.generation()
-
-    def views(self) -> dict[str, PeerView]:
-        return {} if self.service is None else self.service.snapshots()
+    def views_since(self, mark: TableMark | None) -> tuple[TableMark | None, dict[str, PeerView], bool]:
+        """The views of the nodes changed since mark (an earlier answer's; None: every
+        node), where the table stands now, and whether those are every view there is
+        (GossipCore.snapshots_since). Without a running service: none, all of them."""
+        if self.service is None:
+            return None, {}, True
+        return self.service.snapshots_since(mark)
 
     def serve_gossip(self, _: Request) -> Response:
         if self.service is None:

@@ -1,9 +1,10 @@
 """The `routing` component: the best peer for a model, from the gossip table.
 
 The router follows the table a few times a second, off the request path, so a `best`
-answer is a few microseconds of work on the event loop. It reads the table only when the
-gossip's generation or this node's snapshot has moved; time passing alone (freshness,
-remembered paces, this node's bands) needs no read of it.
+answer is a few microseconds of work on the event loop. It reads only what changed since
+its last read (the peers whose snapshot, state or freshness moved, and this node's own
+row when its snapshot or the read confirming it moved); time passing alone (freshness,
+remembered paces, this node's bands) needs no read of the table.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from loadmesh.daemon.http import HttpError, Request, Response
 from loadmesh.daemon.routing import OUTCOMES, Decision, PeerInput, Router, RoutingConfig
 from loadmesh.daemon.snapshot_component import SnapshotComponent
 from loadmesh.gossip.membership import PeerState
+from loadmesh.gossip.protocol import PeerView, TableMark
 from loadmesh.gossip.snapshot import LoadSnapshot
 
 log = logs.get("routing")
 
-# How often the router follows the table: fast next to the 500 ms gossip rounds, cheap
-# (about 0.2 ms for 100 peers when the table has changed, less when it has not).
+# How often the router follows the table: fast next to the 500 ms gossip rounds, and cheap
+# since only what changed is read (docs/routing.md, Cost of a decision).
 UPDATE_PERIOD_S = 0.1
 # Peers that started within this long after this agent (a fleet starting together, a
 # rolling start's neighbours) are not slow-started: the gossip fills the table over the
@@ -65,9 +67,11 @@ class RoutingComponent:
         self._since: dict[str, int | None] = {}
         self._alive: dict[str, bool] = {}
         self._started_wall_ms: int | None = None
-        # What the router last read: the gossip's generation, this node's snapshot and when
-        # its figures were confirmed.
-        self._read: tuple[int | None, LoadSnapshot | None, int | None] | None = None
+        # The table as last read (node_id -> view), where the gossip stood then, and this
+        # node's snapshot and when its figures were confirmed; None: read it all next time.
+        self._views: dict[str, PeerView] = {}
+        self._mark: TableMark | None = None
+        self._own_read: tuple[LoadSnapshot | None, int | None] | None = None
         self._task: asyncio.Task[None] | None = None
         # Answers given, for the exporter: (outcome "routed" or "no_peer", reason label),
         # and clients' feedback by outcome. Counted here, on the request path, because
@@ -100,7 +104,7 @@ class RoutingComponent:
         this node's own-send corrections start afresh; the candidates are back at once,
         and the sessions this node passes on stay passed on."""
         self.router = Router(config, self.router.shedding)
-        self._read = None
+        self._mark = self._own_read = None
         self._update()
 
     async def _follow(self) -> None:
@@ -113,36 +117,54 @@ class RoutingComponent:
 
     def _update(self) -> None:
         now = now_ms()
-        own = self.snapshot.current
-        confirmed = self.snapshot.confirmed_ms
-        read = (self.gossip.generation(), own, confirmed)
-        if read == self._read:
+        own_read = (self.snapshot.current, self.snapshot.confirmed_ms)
+        mark, changed, complete = self.gossip.views_since(self._mark)
+        if not complete and not changed and own_read == self._own_read:
             self.router.tick(now)
             return
-        self._read = read
-        views = self.gossip.views()
-        # The table holds this node's snapshot at age 0, but its figures are as old as the
-        # probe read that last confirmed them: counted from now, this node's sends since
-        # would be forgotten on every update and it would take more than its share.
-        own_age = 0 if confirmed is None else max(0, now - confirmed)
-        peers: list[PeerInput] = []
-        for node_id, view in views.items():
-            alive = view.state is not PeerState.DEAD
-            if node_id not in self._since:
-                self._since[node_id] = self._joined(view.started_ms, now)
-            elif alive and not self._alive.get(node_id, True):
-                self._since[node_id] = now  # recovered: ramp up again
-            self._alive[node_id] = alive
-            is_self = node_id == self.node_id
-            peers.append(PeerInput(node_id, view.snapshot, alive, own_age if is_self else view.age_ms,
-                                   self._since[node_id], is_self=is_self))
-        if self.node_id not in views and own is not None:
-            # Before the gossip service runs (or without one), this node still routes to itself.
-            peers.append(PeerInput(self.node_id, own, True, own_age, None, is_self=True))
-        for gone in set(self._since) - set(views):
-            del self._since[gone]
-            self._alive.pop(gone, None)
-        self.router.update(peers, now)
+        if complete:
+            self._views = changed
+        else:
+            self._views.update(changed)
+        self._mark = mark
+        peers = [self._input(node_id, view, now) for node_id, view in changed.items()
+                 if node_id != self.node_id]
+        if complete or self.node_id in changed or own_read != self._own_read:
+            own = self._own_input(own_read, now)
+            if own is not None:
+                peers.append(own)
+        self._own_read = own_read
+        if complete:
+            known = self._views.keys() | {self.node_id}
+            for gone in self._since.keys() - known:
+                del self._since[gone]
+                self._alive.pop(gone, None)
+        self.router.update(peers, now, complete=complete)
+
+    def _input(self, node_id: str, view: PeerView, now: int) -> PeerInput:
+        alive = view.state is not PeerState.DEAD
+        if node_id not in self._since:
+            self._since[node_id] = self._joined(view.started_ms, now)
+        elif alive and not self._alive.get(node_id, True):
+            self._since[node_id] = now  # recovered: ramp up again
+        self._alive[node_id] = alive
+        return PeerInput(node_id, view.snapshot, alive, view.age_ms, self._since[node_id])
+
+    def _own_input(self, own_read: tuple[LoadSnapshot | None, int | None], now: int) -> PeerInput | None:
+        """This node's row: the table holds its snapshot at age 0, but its figures are as
+        old as the probe read that last confirmed them: counted from now, this node's
+        sends since would be forgotten on every update and it would take more than its
+        share. Before the gossip service runs (or without one), this node still routes to
+        itself, from the snapshot it would publish."""
+        own, confirmed = own_read
+        age = 0 if confirmed is None else max(0, now - confirmed)
+        view = self._views.get(self.node_id)
+        if view is not None:
+            self._since.setdefault(self.node_id, None)
+            return PeerInput(self.node_id, view.snapshot, True, age, self._since[self.node_id], is_self=True)
+        if own is None:
+            return None
+        return PeerInput(self.node_id, own, True, age, None, is_self=True)
 
     def _joined(self, started_ms: int, now: int) -> int | None:
         """When a peer first seen now joined, on now_ms's clock, if it started after this

@@ -98,8 +98,9 @@ def _changed(bitmap: bytes, leaves: int) -> list[int]:
     return changed
 
 
-def apply(base: Flat, changes: bytes, crc: int) -> bytes:
-    """The encoding that `changes` makes of `base`, checked against `crc`."""
+def apply(base: Flat, changes: bytes, crc: int) -> tuple[bytes, Flat]:
+    """The encoding that `changes` makes of `base`, checked against `crc`, and its flat
+    form (the base of the next delta, spared a flatten())."""
     leaves = list(base[1])
     size = (len(leaves) + 7) // 8
     if len(changes) < size:
@@ -126,4 +127,4 @@ def apply(base: Flat, changes: bytes, crc: int) -> bytes:
         raise DeltaError(f"changes are malformed: {e}") from None
     if zlib.crc32(result) != crc:
         raise DeltaError("result does not match the owner's CRC")
-    return result
+    return result, (base[0], tuple(leaves))

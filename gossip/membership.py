@@ -73,6 +73,9 @@ class Peer:
     # The incarnation it is suspect or dead under; when the state last changed.
     accused: int = 0
     state_at: int = 0
+    # The table's `changes` at this peer's last change: a reader that saw the table at
+    # changes = g reads again only the peers changed above g (PeerTable.changed_since).
+    changed: int = 0
 
     @property
     def size(self) -> int:
@@ -101,8 +104,10 @@ class PeerTable:
         self.bytes = 0
         self.refused = 0  # contents that did not fit, room made or not
         # Moves with every change a reader of the table sees (a peer added, forgotten,
-        # made fresh, given a new state or content), so that one can skip an unchanged table.
+        # made fresh, given a new state or content), so that one can skip an unchanged table;
+        # `removals` moves with each peer forgotten, which changed_since cannot list.
         self.changes = 0
+        self.removals = 0
         self._on_state = on_state
         self._anchors: Counter[str] = Counter()
         self._anchored = 0
@@ -156,7 +161,18 @@ class PeerTable:
     def refresh(self, peer: Peer, now: int) -> None:
         """A newer version of the peer's figures: fresh as of now, whatever its state."""
         peer.fresh_at = now
+        self._changed(peer)
+
+    def changed_since(self, changes: int) -> list[Peer]:
+        """The peers changed since the table's `changes` was that value (not the ones
+        forgotten since: see `removals`). A scan of an attribute per peer, where building
+        every peer's view again for each reader's look took most of an agent's CPU at 1000
+        peers (scripts/bench_agent_cpu.py)."""
+        return [peer for peer in self._peers.values() if peer.changed > changes]
+
+    def _changed(self, peer: Peer) -> None:
         self.changes += 1
+        peer.changed = self.changes
 
     def touch(self, peer: Peer, now: int) -> None:
         """The peer's own datagram, as of now: fresh and alive."""
@@ -289,7 +305,7 @@ class PeerTable:
             peer.prev_version, peer.prev_content = (peer.snapshot.version, prev) if prev else (-1, b"")
             peer.snapshot, peer.content, peer.urgent, peer.delta = snap, content, urgent, delta
             peer.addr = addr
-            self.changes += 1
+            self._changed(peer)
         # Even old content may come with an incarnation that is news.
         self.merge_key(peer, snap.version, incarnation, now, direct)
         return peer if stored else None
@@ -343,6 +359,7 @@ class PeerTable:
 
     def _remove(self, peer: Peer, now: int) -> None:
         del self._peers[peer.key]
+        self.removals += 1
         self.bytes -= peer.size
         self._release(peer)
         del self._by_state[peer.state][peer.key]
@@ -351,6 +368,6 @@ class PeerTable:
         self._notify(peer, peer.state, None, now)
 
     def _notify(self, peer: Peer, old: PeerState | None, new: PeerState | None, now: int) -> None:
-        self.changes += 1
+        self._changed(peer)
         if self._on_state is not None:
             self._on_state(peer, old, new, now)

@@ -50,7 +50,7 @@ import os
 import random
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -126,6 +126,15 @@ class PeerView:
     # When the node started, or last refuted a suspicion of itself (its incarnation), in
     # ms of its wall clock; 0 where not known.
     started_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TableMark:
+    """Where a reader of the table stands (GossipCore.snapshots_since)."""
+
+    changes: int
+    removals: int
+    own: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -1142,6 +1151,8 @@ class GossipCore:
     def _on_state(self, peer: Peer, old: PeerState | None, new: PeerState | None, now: int) -> None:
         if new is not None:
             self.counts["became_" + new.value] += 1
+        if old is None:
+            self.codec.keep_flats(2 * len(self.table))
         if old is None and len(self.table) == 1:
             # The first peer: this node has just joined. Nodes started with it may not
             # have reached their seeds when the seed answered; one more full exchange,
@@ -1174,19 +1185,27 @@ class GossipCore:
                    for peer in self.table)
         return out
 
-    @property
-    def generation(self) -> int:
-        """Moves whenever snapshots() holds something new, beyond the ages growing: a
-        reader that saw this value can skip the table until it moves."""
-        return self.table.changes + self._own_changes
-
     def snapshots(self, now_ms: int) -> dict[str, PeerView]:
         """Every snapshot held, this node's own included (always alive, age 0)."""
+        return self._views(self.table, True, now_ms)
+
+    def snapshots_since(self, mark: TableMark | None, now_ms: int) -> tuple[TableMark, dict[str, PeerView], bool]:
+        """What changed since `mark` (an earlier call's; None: never read): the table's
+        mark now, the views of the peers changed since, this node's own among them when
+        it changed, and whether those are every view (after a peer was forgotten, which
+        no view can say: the reader drops what it holds beyond them)."""
+        now_mark = TableMark(self.table.changes, self.table.removals, self._own_changes)
+        if mark is None or mark.removals != now_mark.removals:
+            return now_mark, self.snapshots(now_ms), True
+        peers = self.table.changed_since(mark.changes) if mark.changes != now_mark.changes else []
+        return now_mark, self._views(peers, mark.own != now_mark.own, now_ms), False
+
+    def _views(self, peers: Iterable[Peer], own: bool, now_ms: int) -> dict[str, PeerView]:
         now = max(now_ms, self._now or now_ms)
         epoch = wire.INCARNATION_EPOCH_MS
         out = {peer.node_id: PeerView(peer.snapshot, peer.state, now - peer.fresh_at, epoch + peer.incarnation * 1000)
-               for peer in self.table}
-        if self._own is not None:
+               for peer in peers}
+        if own and self._own is not None:
             out[self.node_id] = PeerView(self._own, PeerState.ALIVE, 0, epoch + self._own_inc * 1000)
         return out
 

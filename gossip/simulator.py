@@ -40,7 +40,7 @@ from time import perf_counter
 from loadmesh.gossip.codec import ContentCodec
 from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.keyring import Keyring
-from loadmesh.gossip.membership import Peer, PeerState
+from loadmesh.gossip.membership import Addr, Peer, PeerState
 from loadmesh.gossip.protocol import GossipCore, Outgoing, node_key
 from loadmesh.gossip.snapshot import encode
 from loadmesh.gossip.wire import FLAG_WANTS, FLAGS_AT, HEADER, KIND_AT, WANTS_HEAD, Kind
@@ -53,7 +53,11 @@ _COOLDOWN_MS = 5000
 # Nodes whose gossip core's CPU time is measured with time_cores (perf_counter around
 # each of its calls after the warm-up): a sample, so that the timing costs next to nothing.
 _TIMED_NODES = 10
-_KEY = bytes(range(32))
+# The mesh's HMAC key (simulated datagrams are signed with it: tag bytes count).
+KEY = bytes(range(32))
+# What a tap sees of each datagram the network delivers: (time in ms, receiving node,
+# sender's address, datagram).
+Tap = Callable[[float, int, Addr, bytes], None]
 # What each kind of datagram is for, in the bytes split.
 _PURPOSES = {"liveness": (Kind.PING, Kind.ACK, Kind.PING_REQ), "announcements": (Kind.GOSSIP,),
              "content": (Kind.CONTENT,), "pulls": (Kind.PULL,), "syncs": (Kind.SYNC, Kind.COOKIE)}
@@ -123,7 +127,8 @@ class _Observer:
 
 class _Simulation:
     def __init__(self, nodes: int, seconds: float, loss: float, latency_ms: float, kill: int, seed: int,
-                 params: GossipParams, keyed: bool, warmup_s: float | None, time_cores: bool = False) -> None:
+                 params: GossipParams, keyed: bool, warmup_s: float | None, time_cores: bool = False,
+                 tap: Tap | None = None) -> None:
         if nodes < 2:
             raise ValueError("nodes: at least 2")
         if not 0 <= loss < 1:
@@ -159,7 +164,7 @@ class _Simulation:
         self.last_content: list[bytes | None] = [None] * nodes
         self.max_datagram = 0
         self.codec = codec = ContentCodec(capacity=max(4096, nodes * 16))
-        keyring = Keyring([_KEY]) if keyed else None
+        keyring = Keyring([KEY]) if keyed else None
         self.cores = [
             GossipCore(self.ids[i], self.addrs[i], params, keyring, rng=random.Random(self.rng.getrandbits(64)),
                        codec=codec, observer=_Observer(self, i), wall_offset_ms=WALL_EPOCH_MS)
@@ -171,6 +176,7 @@ class _Simulation:
         self.measure_until = self.end - _COOLDOWN_MS
         self.timed = min(_TIMED_NODES, nodes) if time_cores else 0
         self.core_seconds = [0.0] * self.timed  # after the warm-up
+        self.tap = tap
 
     # --- events -----------------------------------------------------------------------
 
@@ -263,6 +269,8 @@ class _Simulation:
             core = cores[i]
             if kind == _DELIVER:
                 src, data = payload  # type: ignore[misc]
+                if self.tap is not None:
+                    self.tap(t, i, src, data)
                 self.send(i, self.run_core(i, core.on_datagram, data, src, int(t)))
             elif kind == _TICK:
                 if t != self.tick_at[i]:
@@ -384,7 +392,8 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 
 def simulate(nodes: int, seconds: float, loss: float = 0.0, latency_ms: float = 2.0, kill: int = 0,
              seed: int = 0, *, params: GossipParams | None = None, keyed: bool = True,
-             warmup_s: float | None = None, time_cores: bool = False) -> dict[str, object]:
+             warmup_s: float | None = None, time_cores: bool = False,
+             tap: Tap | None = None) -> dict[str, object]:
     """Run the mesh of `nodes` for `seconds` of simulated time; the figures as a dict.
 
     The keys nodes, convergence_p50_s, convergence_p99_s, urgent_p99_s,
@@ -394,10 +403,12 @@ def simulate(nodes: int, seconds: float, loss: float = 0.0, latency_ms: float = 
     The warm-up (default 5 s + N/200 s, at most a third of the run) lets the nodes join
     before anything is measured. time_cores adds core_cpu_pct: the CPU a node's gossip
     core takes on this machine, in % of a core (what the agent spends on gossip less its
-    socket calls and event loop), a timing, so the report is no longer repeatable.
+    socket calls and event loop), a timing, so the report is no longer repeatable. tap, if
+    given, sees every datagram as it is delivered (scripts/bench_agent_cpu.py replays
+    what one node received to a real agent).
     """
     sim = _Simulation(nodes, seconds, loss, latency_ms, kill, seed, params or GossipParams(), keyed, warmup_s,
-                      time_cores)
+                      time_cores, tap)
     # Millions of long-lived objects (a table per node) and no reference cycles made per
     # event: the cyclic collector would rescan them all, for a third of the run time.
     collecting = gc.isenabled()

@@ -20,7 +20,7 @@ from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.discovery import Discovery
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import Addr
-from loadmesh.gossip.protocol import GossipCore, Outgoing, PeerRow, PeerView
+from loadmesh.gossip.protocol import GossipCore, Outgoing, PeerRow, PeerView, TableMark
 from loadmesh.gossip.snapshot import LoadSnapshot
 
 log = logging.getLogger(__name__)
@@ -186,13 +186,10 @@ class GossipService:
         """Every node this one knows, this node first."""
         return self._started().peers(self._now_ms())
 
-    def generation(self) -> int:
-        """Moves whenever snapshots() holds something new (GossipCore.generation)."""
-        return self._started().generation
-
-    def snapshots(self) -> dict[str, PeerView]:
-        """node_id -> PeerView(snapshot, state, age_ms), this node's own included."""
-        return self._started().snapshots(self._now_ms())
+    def snapshots_since(self, mark: TableMark | None) -> tuple[TableMark, dict[str, PeerView], bool]:
+        """node_id -> PeerView(snapshot, state, age_ms) of the nodes changed since mark,
+        this node's own included (GossipCore.snapshots_since)."""
+        return self._started().snapshots_since(mark, self._now_ms())
 
     def table_bytes(self) -> int:
         """Snapshot encodings held for peers (GossipParams.max_table_bytes bounds it)."""

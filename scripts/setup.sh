@@ -4,7 +4,8 @@
 # first and does nothing when its work is already done, so `make run` and `make test`
 # can call it each time at almost no cost.
 set -euo pipefail
-# Usage: setup.sh [--bench]   (--bench also installs nginx and wrk for scripts/bench_*.py)
+# Usage: setup.sh [--bench]   (--bench also installs nginx, wrk and libfaketime for
+# scripts/bench_*.py)
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 venv="$here/.venv"
@@ -25,7 +26,7 @@ packages=(
   # to apply the unit's system call filter where systemd is not PID 1
   prometheus systemd python3-seccomp
 )
-[ "${1:-}" = --bench ] && packages+=(nginx-light wrk)
+[ "${1:-}" = --bench ] && packages+=(nginx-light wrk libfaketime)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

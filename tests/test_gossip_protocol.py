@@ -223,17 +223,25 @@ def test_peers_lists_every_node_self_first() -> None:
     assert {r.node_id: r.version for r in rows} == {"node-0": 100, "node-1": 101, "node-2": 102}
 
 
-def test_the_generation_moves_with_the_snapshots_held() -> None:
-    mesh, cores = mesh_of(3)
+def test_a_reader_of_the_table_gets_what_changed_since_it_last_read() -> None:
+    mesh, cores = mesh_of(3, replace(FAST, reap_after_ms=1000))
     reader = cores[0]
-    seen = reader.generation
+    mark, views, complete = reader.snapshots_since(None, mesh.now)
+    assert complete and set(views) == {"node-0", "node-1", "node-2"}
+    assert reader.snapshots_since(mark, mesh.now) == (mark, {}, False)
     mesh.publish(reader, snap("node-0", 200, mesh.now))  # its own
-    assert reader.generation != seen
-    seen = reader.generation
+    mark, views, complete = reader.snapshots_since(mark, mesh.now)
+    assert (set(views), complete) == ({"node-0"}, False) and views["node-0"].snapshot.version == 200
     mesh.publish(cores[1], snap("node-1", 201, mesh.now), urgent=True)  # a peer's, pushed at once
     mesh.run(100)
-    assert reader.snapshots(mesh.now)["node-1"].snapshot.version == 201
-    assert reader.generation != seen
+    mark, views, complete = reader.snapshots_since(mark, mesh.now)
+    assert not complete and views["node-1"].snapshot.version == 201
+    assert views["node-1"] == reader.snapshots(mesh.now)["node-1"]
+    # A node forgotten (dead, then reaped) is in no view: the next answer is every view.
+    mesh.down.add(cores[2].advertise)
+    mesh.run_until(lambda: "node-2" not in reader.snapshots(mesh.now), FAST_DETECTION_MS + 2000)
+    mark, views, complete = reader.snapshots_since(mark, mesh.now)
+    assert complete and set(views) == {"node-0", "node-1"}
 
 
 # --- failure detection --------------------------------------------------------------------

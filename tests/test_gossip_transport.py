@@ -14,12 +14,18 @@ from loadmesh.gossip import discovery as discovery_module
 from loadmesh.gossip.config import GossipParams
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import PeerState
+from loadmesh.gossip.protocol import PeerView
 from loadmesh.gossip.snapshot import Endpoint, HostLoad, LoadSnapshot, NodeState
 from loadmesh.gossip.transport import GossipService, parse_seed
 
 KEY = bytes(range(32))
 PARAMS = GossipParams(interval_ms=50, probe_interval_ms=200, probe_timeout_ms=50, suspicion_min_ms=1500,
                       push_pull_interval_ms=2000, join_retry_ms=200, dead_sync_interval_ms=1000)
+
+
+def views(svc: GossipService) -> dict[str, PeerView]:
+    """Every view the service holds: what it answers a reader that has read nothing yet."""
+    return svc.snapshots_since(None)[1]
 
 
 def snap(node: str, version: int, score: float = 0.5) -> LoadSnapshot:
@@ -63,9 +69,9 @@ def test_services_converge_and_release_their_sockets() -> None:
         services = await start_mesh(5)
         try:
             names = {s.node_id for s in services}
-            await wait_for(lambda: all(set(s.snapshots()) == names for s in services))
+            await wait_for(lambda: all(set(views(s)) == names for s in services))
             services[3].publish(snap("svc-3", 500, score=0.9), urgent=False)
-            await wait_for(lambda: all(s.snapshots()["svc-3"].snapshot.version == 500 for s in services))
+            await wait_for(lambda: all(views(s)["svc-3"].snapshot.version == 500 for s in services))
             rows = services[0].peers()
             assert rows[0].node_id == "svc-0"
             assert {r.state for r in rows} == {PeerState.ALIVE}
@@ -96,9 +102,9 @@ def test_a_stopped_service_is_declared_dead() -> None:
     async def main() -> None:
         services = await start_mesh(3)
         try:
-            await wait_for(lambda: all(len(s.snapshots()) == 3 for s in services))
+            await wait_for(lambda: all(len(views(s)) == 3 for s in services))
             await services[2].stop()
-            await wait_for(lambda: all(s.snapshots()["svc-2"].state is PeerState.DEAD for s in services[:2]))
+            await wait_for(lambda: all(views(s)["svc-2"].state is PeerState.DEAD for s in services[:2]))
         finally:
             await stop_all(services[:2])
 
@@ -113,12 +119,12 @@ def test_wrong_key_node_is_rejected() -> None:
         await intruder.start()
         intruder.publish(snap("intruder", 1), urgent=True)
         try:
-            await wait_for(lambda: all(len(s.snapshots()) == 3 for s in services))
+            await wait_for(lambda: all(len(views(s)) == 3 for s in services))
             # The intruder keeps knocking (every join_retry_ms) and the seed keeps refusing
             # it: by the third refusal the seed has gossiped with the others for rounds.
             await wait_for(lambda: services[0].counters().get("drop_bad_signature", 0) >= 3)
-            assert all("intruder" not in s.snapshots() for s in services)
-            assert set(intruder.snapshots()) == {"intruder"}
+            assert all("intruder" not in views(s) for s in services)
+            assert set(views(intruder)) == {"intruder"}
         finally:
             await stop_all(services + [intruder])
 
@@ -129,7 +135,7 @@ def test_seed_given_by_name_is_resolved() -> None:
     async def main() -> None:
         services = await start_mesh(2, seed_name="localhost")
         try:
-            await wait_for(lambda: all(len(s.snapshots()) == 2 for s in services))
+            await wait_for(lambda: all(len(views(s)) == 2 for s in services))
         finally:
             await stop_all(services)
 
@@ -141,7 +147,7 @@ def test_open_mesh_warns_once(caplog: pytest.LogCaptureFixture) -> None:
         with caplog.at_level(logging.WARNING, logger="loadmesh.gossip.transport"):
             services = await start_mesh(2, keyring=None)
             try:
-                await wait_for(lambda: all(len(s.snapshots()) == 2 for s in services))
+                await wait_for(lambda: all(len(views(s)) == 2 for s in services))
             finally:
                 await stop_all(services)
         warnings = [r for r in caplog.records if "mesh is open" in r.getMessage()]
@@ -186,7 +192,7 @@ def test_discovery_joins_peers_on_the_lan() -> None:
             reasons = [s.discovery.reason for s in services if s.discovery and s.discovery.reason]
             if reasons:
                 pytest.skip(f"no multicast here: {reasons[0]}")
-            await wait_for(lambda: all(len(s.snapshots()) == 2 for s in services), timeout=15)
+            await wait_for(lambda: all(len(views(s)) == 2 for s in services), timeout=15)
         finally:
             await stop_all(services)
 

@@ -246,7 +246,7 @@ def test_delta_refuses_shape_changes_bad_input_and_wrong_base() -> None:
         with pytest.raises(delta.DeltaError):
             delta.apply(flat, bad, zlib.crc32(other))
     # A value in an array replaces the leaf, whatever its type.
-    assert delta.apply(flat, bitmap + msgpack.packb([7]), zlib.crc32(other)) == other
+    assert delta.apply(flat, bitmap + msgpack.packb([7]), zlib.crc32(other))[0] == other
     # Applied to a different base, the CRC catches it.
     with pytest.raises(delta.DeltaError):
         delta.apply(delta.flatten(encode(replace(snap, score=0.1))), changes, zlib.crc32(other))
@@ -290,7 +290,7 @@ def test_any_delta_of_two_same_shape_snapshots_rebuilds_the_new_one(data: st.Dat
     new = encode(snap)
     changes = delta.diff(delta.flatten(base), delta.flatten(new))
     assert changes is not None
-    assert delta.apply(delta.flatten(base), changes, zlib.crc32(new)) == new
+    assert delta.apply(delta.flatten(base), changes, zlib.crc32(new)) == (new, delta.flatten(new))
 
 
 @settings(max_examples=500)
@@ -306,10 +306,11 @@ def test_corrupted_deltas_fail_cleanly(data: st.DataObject) -> None:
         raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
     cut = bytes(raw[: data.draw(st.integers(0, len(raw)))]) + data.draw(st.binary(max_size=8))
     try:
-        result = delta.apply(delta.flatten(base), cut, zlib.crc32(new))
+        result, flat = delta.apply(delta.flatten(base), cut, zlib.crc32(new))
     except delta.DeltaError:
         return
     assert result == new  # only bytes that rebuild the owner's encoding pass the CRC
+    assert flat == delta.flatten(new)
 
 
 @settings(max_examples=300)

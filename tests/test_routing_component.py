@@ -17,24 +17,28 @@ from tests.test_routing_router import MODEL, snapshot
 
 
 class Gossip:
-    """The gossip component's table; its generation moves with each change, as the
-    protocol's does."""
+    """The gossip component's table: the views changed since a mark, as the protocol
+    answers them (GossipCore.snapshots_since); reads counts the answers holding any."""
 
     def __init__(self, views: dict[str, PeerView]) -> None:
         self._views = views
-        self._generation = 0
+        self._generation = 1
+        self._changed = dict.fromkeys(views, 1)
         self.reads = 0
 
     def put(self, node_id: str, view: PeerView) -> None:
-        self._views[node_id] = view
         self._generation += 1
+        self._views[node_id] = view
+        self._changed[node_id] = self._generation
 
-    def generation(self) -> int:
-        return self._generation
-
-    def views(self) -> dict[str, PeerView]:
-        self.reads += 1
-        return dict(self._views)
+    def views_since(self, mark: int | None) -> tuple[int, dict[str, PeerView], bool]:
+        if mark is None:
+            out, complete = dict(self._views), True
+        else:
+            out = {n: v for n, v in self._views.items() if self._changed[n] > mark}
+            complete = False
+        self.reads += bool(out)
+        return self._generation, out, complete
 
 
 class Snapshot:
@@ -132,10 +136,12 @@ def test_an_unchanged_table_is_neither_read_nor_rebuilt(clock: list[int],
     routing._update()
     routing._update()
     assert (gossip.reads, len(builds)) == (3, 2)
-    # This node's own figures confirmed by a later probe read: local state, read again.
+    # This node's own figures confirmed by a later probe read: its row is fed again, from
+    # the table as last read.
+    clock[0] += 100
     routing.snapshot.confirmed_ms = clock[0]
     routing._update()
-    assert gossip.reads == 4
+    assert gossip.reads == 3 and routing.router._peers["n0"].taken_ms == clock[0]
 
 
 def test_a_peer_goes_stale_on_time_while_the_table_stands_still(clock: list[int]) -> None:

@@ -627,16 +627,22 @@ def test_config_is_checked() -> None:
     assert replace(RoutingConfig(), choices=2).choices == 2
 
 
-def test_candidates_are_rebuilt_only_when_what_they_are_built_from_changes(monkeypatch) -> None:
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per build of the candidates."""
     import loadmesh.daemon.routing.router as router_module
-    builds: list[int] = []
+    made: list[int] = []
     real = router_module.build
 
     def counting(*args: object, **kwargs: object) -> object:
-        builds.append(1)
+        made.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(router_module, "build", counting)
+    return made
+
+
+def test_candidates_are_rebuilt_only_when_what_they_are_built_from_changes(builds: list[int]) -> None:
     rows = [row("a"), row("b")]
     r = router(rows)
     for step in range(1, 20):  # two seconds of updates, nothing new: no rebuild
@@ -657,6 +663,32 @@ def test_candidates_are_rebuilt_only_when_what_they_are_built_from_changes(monke
     assert len(builds) == before
     r.update(quiet, NOW + 3000 + 10_001)
     assert len(builds) == before + 1
+
+
+def test_over_its_cpu_budget_a_changed_peer_is_refigured_in_place_and_a_lost_one_rebuilds(
+        builds: list[int]) -> None:
+    import loadmesh.daemon.routing.router as router_module
+    # 303 peers (300 of another model): a build is estimated at 1.5 ms, the next waits 150 ms.
+    r = router([row(f"p{i}", models=("other-model",)) for i in range(300)] + [row("a"), row("b"), row("c")])
+    wait = round(router_module._BUILD_MS_PER_PEER * 303 * router_module._BUILD_SPACING)
+    assert len(builds) == 1
+    # a is overloaded: its weight halves at once, in place; the draw's table waits.
+    r.update([row("a", version=2, state=NodeState.OVERLOADED, in_flight=4)], NOW + 100, complete=False)
+    assert len(builds) == 1
+    a = r._models[model_id(MODEL)].by_node["a"]
+    assert a.weight == r.config.overloaded_weight * a.capacity and a.peer.in_flight == 4
+    r.tick(NOW + wait - 1)
+    assert len(builds) == 1
+    r.tick(NOW + wait)
+    assert len(builds) == 2
+    # b dies: built again at once, over the budget; a new peer waits for it.
+    r.update([row("b", alive=False)], NOW + 200, complete=False)
+    assert len(builds) == 3
+    assert "b" not in picks(r, 100, now=NOW + 200)
+    r.update([row("d")], NOW + 300, complete=False)
+    assert len(builds) == 3 and "d" not in picks(r, 100, now=NOW + 300)
+    r.tick(NOW + 200 + wait)
+    assert len(builds) == 4 and "d" in picks(r, 100, now=NOW + 200 + wait)
 
 
 def test_importing_the_router_loads_no_probe_code() -> None:

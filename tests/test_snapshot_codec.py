@@ -331,6 +331,27 @@ def test_rejects_malformed_bytes(data: bytes) -> None:
         decode(data)
 
 
+_RAW_LEAF = (st.none() | st.booleans() | st.integers(-2, 2**70) | st.floats(allow_nan=True)
+             | st.text(max_size=4) | st.lists(st.integers(0, 9), max_size=2))
+
+
+@settings(max_examples=600)
+@given(st.sampled_from([Endpoint, HostLoad, GpuLoad, ModelLoad]), st.data())
+def test_a_record_read_from_the_wire_is_one_its_constructor_accepts_unchanged(cls, data) -> None:
+    # from_wire checks each field once, as it decodes it, and makes the record without
+    # __post_init__: whatever it lets through, the constructor's checks and quantizing
+    # must let through unchanged.
+    raw = data.draw(st.lists(_RAW_LEAF, min_size=len(cls._FIELDS), max_size=len(cls._FIELDS) + 1))
+    for i, spec in enumerate(cls._FIELDS):  # near each field's range as often as not
+        if spec.kind != "str" and data.draw(st.booleans()):
+            raw[i] = data.draw(st.integers(0, max(int(spec.hi * spec.scale), spec.max_code) + 2))
+    try:
+        record = cls.from_wire(raw)
+    except SnapshotError:
+        return
+    assert replace(record) == record
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -0.5])
 def test_local_construction_is_checked_too(bad: float) -> None:
     with pytest.raises(SnapshotError):

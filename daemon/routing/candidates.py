@@ -50,6 +50,9 @@ _STEADY_VERSIONS = 9
 # a step), and at least 1/8 of it.
 _RING_STEPS_PER_DOUBLING = 2
 _RING_LEAST = 1 / 8
+# A model's candidates are paced by the recent median of token gaps or the window's P99
+# of them (indexes 0 and 1 of Candidate.paces), else by the request time: _BY_REQUEST.
+_BY_REQUEST = 2
 
 
 @dataclass(frozen=True)
@@ -84,9 +87,9 @@ class PeerRecord:
     snapshots, its circuit, what it has shown it can run at once, and this node's own
     traffic to it since that snapshot."""
 
-    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "recent", "slots",
-                 "queued", "ttft_floor_ms", "snapshot", "taken_ms", "since_ms", "alive",
-                 "is_self", "in_flight", "overloaded")
+    __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "recent", "steady",
+                 "slots", "queued", "ttft_floor_ms", "snapshot", "taken_ms", "since_ms", "alive",
+                 "is_self", "in_flight", "overloaded", "shape", "gpus", "healthy")
 
     def __init__(self, row: PeerInput, now_ms: int, config: RoutingConfig) -> None:
         self.node_id = row.node_id
@@ -104,6 +107,9 @@ class PeerRecord:
         # every second's jitter. Per version, not per second, so that every host holding
         # the same versions computes the same figure.
         self.recent: dict[int, deque[float]] = {}
+        # Per model_id: the median of `recent`, kept as it changes (ring_points reads it at
+        # every build, for every peer).
+        self.steady: dict[int, float] = {}
         # The most streams seen running at once; whether the peer has been seen queueing
         # (then slots is its batch); the lowest time to first token it has shown.
         self.slots = 0
@@ -112,9 +118,19 @@ class PeerRecord:
         self.snapshot = row.snapshot
         self.since_ms: int | None = row.since_ms
         self._learn(row.snapshot, now_ms, config)
-        self.refresh(row, now_ms, config)
+        self._take(row, now_ms, config)
 
     def refresh(self, row: PeerInput, now_ms: int, config: RoutingConfig) -> None:
+        if row.snapshot is self.snapshot and (row.alive, row.since_ms, row.is_self) == (
+                self.alive, self.since_ms, self.is_self):
+            # The same figures vouched for again (a beat, a datagram of the peer's own),
+            # most rows of a large table's updates: only their age moves.
+            self.taken_ms = now_ms - row.age_ms
+            self.forget_before(self.taken_ms)
+            return
+        self._take(row, now_ms, config)
+
+    def _take(self, row: PeerInput, now_ms: int, config: RoutingConfig) -> None:
         snap = row.snapshot
         if row.since_ms != self.since_ms:
             # Rejoined or recovered: perhaps restarted with another batch size.
@@ -128,8 +144,16 @@ class PeerRecord:
         self.alive: bool = row.alive
         self.is_self: bool = row.is_self
         self.in_flight: int = sum(m.in_flight for m in snap.models)
+        # Its GPUs and the healthy ones among them, for _capacity() at each build.
+        self.gpus: int = len(snap.gpus)
+        self.healthy: int = sum(g.healthy for g in snap.gpus)
         self.overloaded: bool = (snap.state is NodeState.OVERLOADED
                                  or snap.score >= config.score.overloaded_at)
+        # What puts the peer in a model's candidates (build()): only a change of it needs
+        # the candidates built again at once.
+        self.shape: tuple[bool, tuple[int, ...]] = (
+            row.alive and snap.state is not NodeState.DRAINING and bool(snap.endpoints),
+            tuple(sorted({m.model_id for m in snap.models})))
         self.forget_before(self.taken_ms)
 
     def _learn(self, snap: LoadSnapshot, now_ms: int, config: RoutingConfig) -> None:
@@ -157,8 +181,9 @@ class PeerRecord:
         for m in snap.models:
             if m.pace_ms > 0:
                 self.paces[m.model_id] = (m.pace_ms, now_ms)
-                self.recent.setdefault(m.model_id, deque(maxlen=_STEADY_VERSIONS)).append(
-                    math.log2(m.pace_ms))
+                recent = self.recent.setdefault(m.model_id, deque(maxlen=_STEADY_VERSIONS))
+                recent.append(math.log2(m.pace_ms))
+                self.steady[m.model_id] = statistics.median(recent)
             if m.rps > 0 and m.p50_ms > 0 and m.error_ratio <= config.error_ratio_threshold:
                 old = self.service_ms.get(m.model_id)
                 self.service_ms[m.model_id] = (
@@ -199,13 +224,11 @@ def _capacity(peer: PeerRecord, reference: int, ring: bool = False) -> float:
     running in one snapshot of six. In the fleet bench, hosts of 8 slots were seen
     queueing at 6, then showed 7 and 8, and each step of their ring weight moved sessions.
     A batch of half the largest is still the step below."""
-    snap = peer.snapshot
     near = ring and peer.slots * 2 ** (1 / _RING_STEPS_PER_DOUBLING) >= reference
     slots = peer.slots if peer.queued and not near else max(peer.slots, reference)
-    if not snap.gpus:
+    if not peer.gpus:
         return float(max(1, slots))
-    healthy = sum(g.healthy for g in snap.gpus)
-    return max(slots * healthy / len(snap.gpus), healthy, 0.1)
+    return max(slots * peer.healthy / peer.gpus, peer.healthy, 0.1)
 
 
 class Candidate:
@@ -246,7 +269,8 @@ class Candidate:
 
 @dataclass
 class ModelCandidates:
-    """Everything one model's requests need, rebuilt on each table update."""
+    """Everything one model's requests need, built from the whole table (build()); a
+    candidate whose peer has a new snapshot in between is refigured in place (refigure())."""
 
     model_id: int
     candidates: list[Candidate]
@@ -256,6 +280,11 @@ class ModelCandidates:
     known: list[PeerRecord]
     # The sessions' ring: its points per known peer (ring_points()).
     ring: dict[str, int]
+    # What the candidates were measured against: the largest batch shown, which measure
+    # of pace they share (0, 1 or _BY_REQUEST), and the pace of one without the figure.
+    reference: int = 0
+    paced_by: int = 0
+    typical: float = 1.0
 
 
 def _host_port(host: str, port: int) -> str:
@@ -335,17 +364,11 @@ def build(peers: Sequence[PeerRecord], config: RoutingConfig,
         # token gap once any streams (the recent median where any peer has one, else the
         # window's P99), the request time while none does. A peer without the
         # figure (idle, or not streaming) is taken as typical of the others.
-        for i in range(2):
-            if any(c.paces[i] > 0 for c in cands):
-                for c in cands:
-                    c.service_ms = c.paces[i]
-                break
-        measured = [c.service_ms for c in cands if c.service_ms > 0]
+        paced_by = next((i for i in (0, 1) if any(c.paces[i] > 0 for c in cands)), _BY_REQUEST)
+        measured = [m for m in (_pace(c, paced_by) for c in cands) if m > 0]
         typical = statistics.median(measured) if measured else 1.0
         for c in cands:
-            if c.service_ms <= 0:
-                c.service_ms = typical
-            c.rate = c.weight / c.service_ms
+            _set_pace(c, paced_by, typical)
         out[mid] = ModelCandidates(
             model_id=mid,
             candidates=cands,
@@ -353,8 +376,37 @@ def build(peers: Sequence[PeerRecord], config: RoutingConfig,
             by_node={c.peer.node_id: c for c in cands},
             known=peers_known,
             ring=ring_points(mid, peers_known, reference, config.vnodes),
+            reference=reference,
+            paced_by=paced_by,
+            typical=typical,
         )
     return out
+
+
+def refigure(entry: ModelCandidates, peer: PeerRecord, config: RoutingConfig, now_ms: int) -> None:
+    """The peer's candidate for the model, refigured in place from the peer's latest
+    snapshot (its health, pace, batch, success and band; its load is read from the peer
+    at each request anyway), measured against what the model's last build() measured
+    the others against. Its weight in the draw's table waits for the next build()."""
+    old = entry.by_node.get(peer.node_id)
+    if old is None:
+        return
+    loads = [m for m in peer.snapshot.models if m.model_id == entry.model_id]
+    new = _candidate(peer, loads, config, entry.reference, now_ms)
+    _set_pace(new, entry.paced_by, entry.typical)
+    for name in Candidate.__slots__:
+        setattr(old, name, getattr(new, name))
+
+
+def _pace(c: Candidate, paced_by: int) -> float:
+    return c.paces[paced_by] if paced_by != _BY_REQUEST else c.service_ms
+
+
+def _set_pace(c: Candidate, paced_by: int, typical: float) -> None:
+    c.service_ms = _pace(c, paced_by)
+    if c.service_ms <= 0:
+        c.service_ms = typical
+    c.rate = c.weight / c.service_ms
 
 
 def ring_points(model_id: int, peers: Sequence[PeerRecord], reference: int,
@@ -365,8 +417,7 @@ def ring_points(model_id: int, peers: Sequence[PeerRecord], reference: int,
     half the batch, holds half as many, and at equal load per slot all queue alike. Dead
     and draining peers keep theirs, so that their sessions stay guests where they went
     (shed.py). Only what the snapshots say enters, so every host builds the same ring."""
-    paces = {p.node_id: statistics.median(p.recent[model_id]) for p in peers
-             if model_id in p.recent}
+    paces = {p.node_id: p.steady[model_id] for p in peers if model_id in p.steady}
     typical = statistics.median(paces.values()) if paces else 0.0
     rates = {p.node_id: _capacity(p, reference, ring=True) / 2 ** paces.get(p.node_id, typical)
              for p in peers}

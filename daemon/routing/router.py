@@ -1,7 +1,8 @@
 """The routing decision: which peer should serve a request for model M (session S).
 
-    update(peers, now_ms)      when the membership table changes: rebuilds the per-model
-                               candidate sets (rings only when a model's peer set changes)
+    update(peers, now_ms, complete)   when the membership table changes (every peer, or
+                               those that changed): refreshes their records and, within
+                               a CPU budget, rebuilds the per-model candidate sets
     tick(now_ms)               time passing with the table unchanged: this node's bands
                                step, and candidates whose remembered pace expires are rebuilt
     best(model, session, exclude, now_ms) -> Decision | NoCandidate
@@ -51,6 +52,7 @@ from loadmesh.daemon.routing.candidates import (
     RoutingConfig,
     build,
     pace_expiry,
+    refigure,
     static_model_ids,
 )
 from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
@@ -69,6 +71,18 @@ _TRIES_PER_PICK = 8
 _SPILL_FLOOR = 0.1
 # Bounds the name -> model_id cache against clients sending arbitrary names.
 _MAX_CACHED_NAMES = 4096
+# A build of the candidates costs about _BUILD_MS_PER_PEER per peer and model (10 ms for
+# 1000 peers of 2 models on the development machine, 2026-12-05). One estimated above
+# _BUILD_FREE_MS is followed by the next no sooner than its cost x _BUILD_SPACING later when
+# only figures changed: the builds take about 1% of a core. Up to 200 peers of one model
+# every 100 ms update (1% at most) builds as before; at 1000 peers of 2 models the draw's
+# weights and the ring follow the figures within a second, while each changed peer's load,
+# pace and health count at the next update (docs/routing.md, Cost of a decision).
+# Estimated, not timed: a simulation or a test of the router gives the same answers on any
+# machine, under any load.
+_BUILD_MS_PER_PEER = 0.005
+_BUILD_FREE_MS = 1.0
+_BUILD_SPACING = 99
 
 # A peer's cause of being unusable (NoCandidate.counts), and the answer's reason when
 # every peer has that one.
@@ -141,37 +155,69 @@ class Router:
         self._static_ids = static_model_ids(c)
         self._peers: dict[str, PeerRecord] = {}
         self._models: dict[int, ModelCandidates] = {}
-        # What the candidates were built from, and until when they hold without it
-        # changing (a pace remembered expires): a table of hundreds of peers serving many
-        # models takes hundreds of ms to build, so it is rebuilt only when it must be.
-        self._built_from: tuple[tuple[str, int, int, bool, int | None], ...] = ()
+        # Until when the candidates hold with the table unchanged (a pace remembered
+        # expires); whether a peer's figures changed since they were built, and when the
+        # budget allows the next build (_BUILD_SPACING).
         self._rebuild_by = 0
+        self._stale = False
+        self._next_build = 0
+        self._self_id: str | None = None
         self._rings: dict[int, HashRing] = {}
         self._ids: dict[str, int] = {}
         self._share = OwnShare(round(c.own_share_half_life_s * 1000), c.own_share_cap)
         self._fleet_rps = 0.0
 
-    def update(self, peers: Sequence[PeerInput], now_ms: int) -> None:
-        rows = {row.node_id: row for row in peers}
-        for gone in self._peers.keys() - rows.keys():
-            del self._peers[gone]
-        for node_id, row in rows.items():
-            peer = self._peers.get(node_id)
+    def update(self, peers: Sequence[PeerInput], now_ms: int, complete: bool = True) -> None:
+        """Take the table's rows: all of them (complete: a peer not among them is gone),
+        or those that changed since the last update.
+
+        A peer's load and age are read from its record at each request, so they count at
+        once. What is built from the whole table (which peers are candidates, their
+        capacities against the largest batch, the draw's weights, the sessions' ring) is
+        built again at once when a candidate is lost (a peer gone, dead, draining, or no
+        longer serving a model); when only figures changed or a candidate is gained, at
+        once if the budget allows (a build takes milliseconds per hundred peers: at 1000
+        peers, built at every update it took most of an agent's CPU,
+        scripts/bench_agent_cpu.py), else the changed candidates are refigured in place
+        and the build follows within the budget."""
+        lost = False
+        if complete:
+            current = {row.node_id for row in peers}
+            for gone in self._peers.keys() - current:
+                del self._peers[gone]
+                lost = True
+        changed = False
+        refigured: list[PeerRecord] = []
+        for row in peers:
+            if row.is_self:
+                self._self_id = row.node_id
+            peer = self._peers.get(row.node_id)
             if peer is None:
-                self._peers[node_id] = PeerRecord(row, now_ms, self.config)
-            else:
-                peer.refresh(row, now_ms, self.config)
-        inputs = tuple(sorted((r.node_id, r.snapshot.version, r.snapshot.timestamp_ms, r.alive, r.since_ms)
-                              for r in peers))
-        if inputs != self._built_from:
-            self._built_from = inputs
+                self._peers[row.node_id] = PeerRecord(row, now_ms, self.config)
+                changed = True
+                continue
+            was = (peer.snapshot.version, peer.snapshot.timestamp_ms, peer.alive, peer.since_ms, peer.shape)
+            peer.refresh(row, now_ms, self.config)
+            if was[-1] != peer.shape:
+                (can_was, served_was), (can, served) = was[-1], peer.shape
+                lost = lost or (can_was and not can) or not set(served_was) <= set(served)
+                changed = True
+            elif was[:-1] != (row.snapshot.version, row.snapshot.timestamp_ms, row.alive, row.since_ms):
+                refigured.append(peer)
+                changed = True
+        if lost or (changed and now_ms >= self._next_build):
             self._build(now_ms)
+        elif changed:
+            self._stale = True
+            for peer in refigured:
+                for entry in self._models.values():
+                    refigure(entry, peer, self.config, now_ms)
         self.tick(now_ms)
 
     def tick(self, now_ms: int) -> None:
         # Freshness needs no rebuild: each request checks it against the time the figures
         # were vouched for.
-        if now_ms >= self._rebuild_by:
+        if (self._stale or now_ms >= self._rebuild_by) and now_ms >= self._next_build:
             self._build(now_ms)
         self._shed(now_ms)
 
@@ -185,6 +231,9 @@ class Router:
         # the peers that are not candidates, or not usable for one request, are skipped.
         self._rings = {mid: ring for mid, ring in self._rings.items()
                        if mid in self._models and ring.vnodes == self._models[mid].ring}
+        self._stale = False
+        cost_ms = _BUILD_MS_PER_PEER * sum(len(entry.known) for entry in self._models.values())
+        self._next_build = now_ms + (round(cost_ms * _BUILD_SPACING) if cost_ms > _BUILD_FREE_MS else 0)
 
     def band(self, model_id: int) -> tuple[float, float]:
         """This node's band of passed-on sessions for the model, (start, width)."""
@@ -268,13 +317,18 @@ class Router:
         The loads are the snapshots' in-flight counts, this node's included, as every host
         sees them."""
         served: set[int] = set()
+        fresh_from = now_ms - self._freshness_ms
         for mid, entry in self._models.items():
-            own = next((c for c in entry.candidates if c.peer.is_self), None)
+            own = entry.by_node.get(self._self_id) if self._self_id is not None else None
             if own is None:
                 continue
             served.add(mid)
+            if not self.shedding.watching(mid, now_ms):
+                self.shedding.step(mid, own.peer.in_flight, own.capacity, (), now_ms)
+                continue
+            # PeerRecord.fresh() inlined: at 1000 peers this list is most of a tick.
             others = [(c.peer.in_flight, c.capacity) for c in entry.candidates
-                      if c is not own and c.peer.fresh(now_ms, self._freshness_ms)]
+                      if c is not own and c.peer.taken_ms >= fresh_from]
             # Orphans come from a peer gone (known, on the ring, but no candidate), guests
             # from a peer that passes sessions on.
             self.shedding.step(mid, own.peer.in_flight, own.capacity, others, now_ms,

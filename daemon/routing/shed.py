@@ -187,6 +187,12 @@ class Shedding:
         """This host answered a request of a session for the model."""
         self._sessions_ms[model_id] = now_ms
 
+    def watching(self, model_id: int, now_ms: int) -> bool:
+        """Whether this host answered a session of the model within _QUIET_MS: if not,
+        step() only gives the band back, and reads nothing of the others."""
+        seen = self._sessions_ms.get(model_id)
+        return seen is not None and now_ms - seen <= _QUIET_MS
+
     def band(self, model_id: int) -> tuple[float, float]:
         b = self._bands.get(model_id)
         return (0.0, 0.0) if b is None else (b.start, b.width)
@@ -205,8 +211,7 @@ class Shedding:
         are not candidates (their sessions are orphans here); guests: whether another
         peer passes sessions on."""
         b = self._bands.setdefault(model_id, _Band(stepped_ms=now_ms))
-        seen = self._sessions_ms.get(model_id)
-        if seen is None or now_ms - seen > _QUIET_MS:
+        if not self.watching(model_id, now_ms):
             b.smoothed_ms, b.quiet_since, b.evidence = None, None, 0.0
             if now_ms - b.stepped_ms >= _STEP_MS:
                 _give_back(b, _RETURN_GAIN)
