@@ -89,7 +89,7 @@ class PeerRecord:
 
     __slots__ = ("node_id", "breaker", "sends", "dones", "service_ms", "paces", "recent", "steady",
                  "slots", "queued", "ttft_floor_ms", "snapshot", "taken_ms", "since_ms", "alive",
-                 "is_self", "in_flight", "overloaded", "shape", "gpus", "healthy")
+                 "is_self", "in_flight", "overloaded", "shape", "gpus", "healthy", "_endpoints")
 
     def __init__(self, row: PeerInput, now_ms: int, config: RoutingConfig) -> None:
         self.node_id = row.node_id
@@ -144,9 +144,11 @@ class PeerRecord:
         self.alive: bool = row.alive
         self.is_self: bool = row.is_self
         self.in_flight: int = sum(m.in_flight for m in snap.models)
-        # Its GPUs and the healthy ones among them, for _capacity() at each build.
+        # Its GPUs and the healthy ones among them, for _capacity() at each build; where it
+        # serves each port (endpoint()).
         self.gpus: int = len(snap.gpus)
         self.healthy: int = sum(g.healthy for g in snap.gpus)
+        self._endpoints: dict[int, str] = {}
         self.overloaded: bool = (snap.state is NodeState.OVERLOADED
                                  or snap.score >= config.score.overloaded_at)
         # What puts the peer in a model's candidates (build()): only a change of it needs
@@ -188,6 +190,16 @@ class PeerRecord:
                 old = self.service_ms.get(m.model_id)
                 self.service_ms[m.model_id] = (
                     m.p50_ms if old is None or m.p50_ms < old else old + _SERVICE_RISE * (m.p50_ms - old))
+
+    def endpoint(self, port: int) -> str:
+        """Where requests to the port go: the snapshot's host for it (its first host
+        without one), kept until the next snapshot, as every build asks again."""
+        found = self._endpoints.get(port)
+        if found is None:
+            endpoints = self.snapshot.endpoints
+            host = next((e.host for e in endpoints if e.port == port), endpoints[0].host)
+            found = self._endpoints[port] = _host_port(host, port)
+        return found
 
     def forget_before(self, at_ms: int) -> None:
         """Drops own traffic at or before at_ms: the snapshot taken then includes it."""
@@ -293,7 +305,7 @@ def _host_port(host: str, port: int) -> str:
 
 def _serving_entry(loads: Sequence[ModelLoad]) -> ModelLoad:
     # A model served on several ports of one host: the port taking most of its traffic.
-    return max(loads, key=lambda m: (m.rps, -m.port))
+    return loads[0] if len(loads) == 1 else max(loads, key=lambda m: (m.rps, -m.port))
 
 
 def _candidate(peer: PeerRecord, loads: Sequence[ModelLoad], config: RoutingConfig,
@@ -306,8 +318,7 @@ def _candidate(peer: PeerRecord, loads: Sequence[ModelLoad], config: RoutingConf
     if loads:
         entry = _serving_entry(loads)
         band = (entry.shed_start, entry.shed_width)
-        hosts = [e.host for e in snap.endpoints if e.port == entry.port]
-        endpoint = _host_port(hosts[0] if hosts else snap.endpoints[0].host, entry.port)
+        endpoint = peer.endpoint(entry.port)
         # A second without a stream says nothing of the pace: the one shown last holds
         # for a window (a slow peer between two bursts is still slow), then it is old
         # news and the peer is taken as typical, so that one slow once is tried again.
@@ -318,7 +329,7 @@ def _candidate(peer: PeerRecord, loads: Sequence[ModelLoad], config: RoutingConf
             service = peer.service_ms.get(entry.model_id, 0.0)
             failing = entry.error_ratio
     else:
-        endpoint = _host_port(snap.endpoints[0].host, snap.endpoints[0].port)
+        endpoint = peer.endpoint(snap.endpoints[0].port)
     if peer.overloaded:
         health = config.overloaded_weight
     elif (failing > config.error_ratio_threshold or snap.state is NodeState.DEGRADED

@@ -71,16 +71,16 @@ _TRIES_PER_PICK = 8
 _SPILL_FLOOR = 0.1
 # Bounds the name -> model_id cache against clients sending arbitrary names.
 _MAX_CACHED_NAMES = 4096
-# A build of the candidates costs about _BUILD_MS_PER_PEER per peer and model (10 ms for
-# 1000 peers of 2 models on the development machine, 2026-12-05). One estimated above
-# _BUILD_FREE_MS is followed by the next no sooner than its cost x _BUILD_SPACING later when
-# only figures changed: the builds take about 1% of a core. Up to 200 peers of one model
-# every 100 ms update (1% at most) builds as before; at 1000 peers of 2 models the draw's
-# weights and the ring follow the figures within a second, while each changed peer's load,
-# pace and health count at the next update (docs/routing.md, Cost of a decision).
-# Estimated, not timed: a simulation or a test of the router gives the same answers on any
-# machine, under any load.
-_BUILD_MS_PER_PEER = 0.005
+# A build of the candidates costs about _BUILD_MS_PER_PEER per peer and model (in an agent
+# among 999 peers of 2 models, 12-28 ms, median 16, on the development machine,
+# 2026-12-05). One estimated above _BUILD_FREE_MS is followed by the next no sooner than its
+# cost x _BUILD_SPACING later when only figures changed: the builds take about 1% of a
+# core. Up to 125 peers of one model every 100 ms update builds as before; at 1000 peers of
+# 2 models the draw's weights and the ring follow the figures within 1.6 s, while each
+# changed peer's load, pace and health count at the next update (docs/routing.md, Cost of
+# a decision). Estimated, not timed: a simulation or a test of the router gives the same
+# answers on any machine, under any load.
+_BUILD_MS_PER_PEER = 0.008
 _BUILD_FREE_MS = 1.0
 _BUILD_SPACING = 99
 
