@@ -63,6 +63,11 @@ _PURPOSES = {"liveness": (Kind.PING, Kind.ACK, Kind.PING_REQ), "announcements": 
              "content": (Kind.CONTENT,), "pulls": (Kind.PULL,), "syncs": (Kind.SYNC, Kind.COOKIE)}
 
 
+def node_addr(i: int) -> Addr:
+    """Simulated node i's gossip address."""
+    return (f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", 7946)
+
+
 @dataclass(slots=True)
 class _Version:
     published_at: float
@@ -152,7 +157,7 @@ class _Simulation:
         self.metrics = _Metrics()
         self.dead = [False] * nodes
         self.started = [False] * nodes
-        self.addrs = [(f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", 7946) for i in range(nodes)]
+        self.addrs = [node_addr(i) for i in range(nodes)]
         self.index = {addr: i for i, addr in enumerate(self.addrs)}
         self.ids = [f"node-{i:04d}" for i in range(nodes)]
         self.owner_of = {node_key(node_id): i for i, node_id in enumerate(self.ids)}

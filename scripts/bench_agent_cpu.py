@@ -54,7 +54,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
-from fleet import LOADMESH, in_ns, inside  # noqa: E402
+from fleet import LOADMESH, in_ns, inside, started  # noqa: E402
 from metrics_helpers import wait_for  # noqa: E402
 
 from loadmesh.daemon.client import AgentUnavailable, ApiError, Client  # noqa: E402
@@ -83,7 +82,6 @@ LEAD_S = 4.0
 IDLE_S = 10.0
 # Offsets of the header's address token and echo (gossip/wire.py HEADER "!BBBBHIHIII").
 TOKEN_AT, ECHO_AT = 16, 20
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -122,19 +120,8 @@ def record(nodes: int, seconds: float, seed: int) -> Recording:
                      time.monotonic() - t0, report.get("core_cpu_pct"), got)  # type: ignore[arg-type]
 
 
-def sim_addr(i: int) -> Addr:
-    """Node i's address in the simulator (its _Simulation.addrs)."""
-    return (f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", 7946)
-
-
-def cpu_ticks(pid: int) -> int:
-    """User and system time of a process, all its threads, in clock ticks."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
 def agent_config(work: Path, key: Path, me: int) -> Path:
-    addr, seeds = sim_addr(me), [sim_addr(i) for i in range(3)]
+    addr, seeds = simulator.node_addr(me), [simulator.node_addr(i) for i in range(3)]
     path = work / "agent.toml"
     path.write_text(
         f'node_id = "node-{me:04d}"\nstate_dir = "{work / "state"}"\nadvertise = "{addr[0]}"\n'
@@ -147,22 +134,14 @@ def agent_config(work: Path, key: Path, me: int) -> Path:
     return path
 
 
-@contextlib.contextmanager
 def agent(ns: nettopo.Netns, exe: str, conf: Path, log: Path,
-          wall_at_start_s: float) -> Iterator[subprocess.Popen[bytes]]:
+          wall_at_start_s: float) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     """A real agent (the `loadmesh` command exe) in ns whose wall clock reads
     wall_at_start_s now."""
     env = dict(os.environ, LD_PRELOAD=str(FAKETIME),
                FAKETIME=f"{wall_at_start_s - time.time():+.3f}",
                FAKETIME_DONT_FAKE_MONOTONIC="1")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(in_ns(ns, [exe, "agent", "--config", str(conf)]), env=env,
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    try:
-        yield proc
-    finally:
-        nettopo.stop_process(proc)  # type: ignore[arg-type]
+    return started(in_ns(ns, [exe, "agent", "--config", str(conf)]), log, env)
 
 
 def api(sock: Path, path: str) -> Any:
@@ -199,7 +178,7 @@ class Mark:
     """The state of things at one instant of the replay."""
 
     at: float
-    cpu: int
+    cpu: float  # the agent's CPU seconds
     traffic: Traffic
 
 
@@ -217,10 +196,10 @@ class Crowd:
                 continue
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-            s.bind(sim_addr(i))
+            s.bind(simulator.node_addr(i))
             s.setblocking(False)
-            self.socks[sim_addr(i)] = s
-            self.selector.register(s, selectors.EVENT_READ, sim_addr(i))
+            self.socks[simulator.node_addr(i)] = s
+            self.selector.register(s, selectors.EVENT_READ, simulator.node_addr(i))
         self.traffic = Traffic()
         self.late_ms = 0.0  # the most a datagram went out after its time
 
@@ -264,7 +243,7 @@ class Crowd:
         def mark_until(when: float) -> None:
             while pending and pending[0] <= when:
                 self._wait_until(start + pending.pop(0) / 1000)
-                marks.append(Mark(time.monotonic(), cpu_ticks(pid), dataclasses.replace(
+                marks.append(Mark(time.monotonic(), nettopo.cpu_s(pid), dataclasses.replace(
                     t, received_by_kind=Counter(t.received_by_kind))))
 
         for when, src, data in datagrams:
@@ -295,8 +274,8 @@ def _kind_name(kind: int) -> str:
         return str(kind)
 
 
-def pct(ticks: int, seconds: float) -> float:
-    return 100.0 * ticks / TICKS / seconds
+def pct(cpu_s: float, seconds: float) -> float:
+    return 100.0 * cpu_s / seconds
 
 
 @dataclass
@@ -317,22 +296,22 @@ def run(rec: Recording, work: Path, exe: str) -> Result:
     conf = agent_config(work, key, rec.me)
     sock = work / "agent.sock"
     with nettopo.netns("lmcpu") as ns:
-        batch = "".join(f"address add {sim_addr(i)[0]}/32 dev lo\n" for i in range(rec.nodes))
+        batch = "".join(f"address add {simulator.node_addr(i)[0]}/32 dev lo\n" for i in range(rec.nodes))
         subprocess.run(["ip", "-n", ns.name, "-batch", "-"], input=batch, text=True, check=True)
         with inside(ns):
             # The agent alone: what it costs with no peer answering.
             with agent(ns, exe, conf, work / "idle.log", time.time()) as proc:
                 wait_for(lambda: answers(sock), 30, "the agent's API")
-                a, t0 = cpu_ticks(proc.pid), time.monotonic()
+                a, t0 = nettopo.cpu_s(proc.pid), time.monotonic()
                 time.sleep(IDLE_S)
-                idle = pct(cpu_ticks(proc.pid) - a, time.monotonic() - t0)
+                idle = pct(nettopo.cpu_s(proc.pid) - a, time.monotonic() - t0)
             shutil.rmtree(work / "state", ignore_errors=True)
             crowd = Crowd(rec.nodes, rec.me)
             try:
                 with agent(ns, exe, conf, work / "agent.log", WALL_EPOCH_MS / 1000 - LEAD_S) as proc:
                     start = time.monotonic() + LEAD_S
                     wait_for(lambda: answers(sock), LEAD_S, "the agent's API before the replay")
-                    first, last = crowd.replay(rec.datagrams, sim_addr(rec.me), start,
+                    first, last = crowd.replay(rec.datagrams, simulator.node_addr(rec.me), start,
                                                [rec.warmup_ms, rec.seconds * 1000], proc.pid)
                     if proc.poll() is not None:
                         raise RuntimeError(f"the agent exited ({proc.returncode})")

@@ -189,14 +189,6 @@ app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])], 
 """
 
 
-def cpu_s(pid: int) -> float:
-    """User and system CPU time of a process. The veth's receive work (softirq, the probes'
-    programs with it) runs in the context of the task that sent the packet and is charged
-    to it, so wrk's and the server's CPU together are nearly all of a request's cost."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def children_cpu_s() -> float:
     """CPU time of this script's children that have ended (wrk, once run_wrk returns)."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -212,9 +204,9 @@ def alternating_wrk(probes: ProbeSet, url: str, lua: Path, conns: int, runs: int
         for i in range(runs):
             on = i % 2 == 1
             probes.resume() if on else probes.pause()
-            c0, s0 = children_cpu_s(), cpu_s(server_pid)
+            c0, s0 = children_cpu_s(), nettopo.cpu_s(server_pid)
             r = run_wrk(url, lua, conns, run_s)
-            r["cpu_us_per_req"] = ((children_cpu_s() - c0) + (cpu_s(server_pid) - s0)) \
+            r["cpu_us_per_req"] = ((children_cpu_s() - c0) + (nettopo.cpu_s(server_pid) - s0)) \
                 / r["requests"] * 1e6
             results.append((on, r))
     finally:

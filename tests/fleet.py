@@ -159,9 +159,10 @@ def share(rows: list[dict[str, Any]], host: str, start_s: float, end_s: float) -
 
 
 @contextlib.contextmanager
-def started(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def started(argv: list[str], log: Path,
+            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         yield proc

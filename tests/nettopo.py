@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
@@ -133,6 +134,14 @@ def stop_process(proc: subprocess.Popen[str], grace: float = 3) -> None:
     for stream in (proc.stdout, proc.stderr, proc.stdin):
         if stream is not None:
             stream.close()
+
+
+def cpu_s(pid: int) -> float:
+    """User and system CPU time of a process, all its threads. Softirq work (a veth's
+    receive, the probes' programs with it) runs in the context of the task that sent the
+    packet and is charged to it."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

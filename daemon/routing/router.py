@@ -196,13 +196,15 @@ class Router:
                 self._peers[row.node_id] = PeerRecord(row, now_ms, self.config)
                 changed = True
                 continue
-            was = (peer.snapshot.version, peer.snapshot.timestamp_ms, peer.alive, peer.since_ms, peer.shape)
+            (could, served_before), same = peer.shape, (
+                (peer.snapshot.version, peer.snapshot.timestamp_ms, peer.alive, peer.since_ms)
+                == (row.snapshot.version, row.snapshot.timestamp_ms, row.alive, row.since_ms))
             peer.refresh(row, now_ms, self.config)
-            if was[-1] != peer.shape:
-                (can_was, served_was), (can, served) = was[-1], peer.shape
-                lost = lost or (can_was and not can) or not set(served_was) <= set(served)
+            can, served = peer.shape
+            if (could, served_before) != (can, served):
+                lost = lost or (could and not can) or not set(served_before) <= set(served)
                 changed = True
-            elif was[:-1] != (row.snapshot.version, row.snapshot.timestamp_ms, row.alive, row.since_ms):
+            elif not same:
                 refigured.append(peer)
                 changed = True
         if lost or (changed and now_ms >= self._next_build):
