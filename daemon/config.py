@@ -269,6 +269,12 @@ class LoadConfig(ScoreConfig):
     tick_ms: int = setting(250, between(100, 60_000), "how often the snapshot is rebuilt")
     heartbeat_ms: int = setting(5000, between(500, 600_000),
                                 "the version moves at least this often, changed or not")
+    queue_deadband: float = setting(0.0, in_range(0, 1000),
+                                    "a model's in-flight, waiting or running count "
+                                    "moves the version when it changes by more than this "
+                                    "many requests (0: any change; a fleet of hundreds of "
+                                    "hosts may trade routing precision for gossip bytes "
+                                    "with 2)")
     list_models_s: float = setting(30.0, in_range(0, 86_400),
                                    "how often each serving port's GET /v1/models is asked, so "
                                    "that peers route a model here before its first request "

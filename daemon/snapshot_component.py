@@ -27,7 +27,7 @@ from loadmesh.daemon.probes_component import POLL_S, ProbesComponent
 from loadmesh.daemon.snapshot_builder import ModelFigures, SnapshotBuilder
 from loadmesh.daemon.snapshot_view import snapshot_json
 from loadmesh.daemon.state_files import BadStateFile, flag_set, set_flag
-from loadmesh.daemon.versioning import ChangeDetector, VersionClock, VersionStore
+from loadmesh.daemon.versioning import ChangeDetector, Deadbands, VersionClock, VersionStore
 from loadmesh.gossip.snapshot import Endpoint, GpuLoad, LoadSnapshot
 
 log = logs.get("snapshot")
@@ -142,7 +142,8 @@ class SnapshotComponent:
         self._host_name = advertise_host(self.config)
         self._builder = SnapshotBuilder(
             self.config.node_id, self._endpoints(), versions,
-            ChangeDetector(heartbeat_ms=self.config.load.heartbeat_ms),
+            ChangeDetector(Deadbands().with_queue(self.config.load.queue_deadband),
+                           heartbeat_ms=self.config.load.heartbeat_ms),
             self.config.load)
         self._lister = ModelLister(self._host_name, self.config.probes.ports,
                                    self.config.load.list_models_s)

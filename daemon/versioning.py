@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadmesh.daemon.state_files import BadStateFile, read_state_file, write_state_file
@@ -150,15 +150,22 @@ class Deadbands:
     error_ratio: Deadband | None = Deadband(abs=0.005, rel=0.25)
     p50_ms: Deadband | None = Deadband(abs=5.0, rel=0.20)
     p99_ms: Deadband | None = Deadband(abs=10.0, rel=0.20)
-    in_flight: Deadband | None = Deadband(abs=2.0, rel=0.20)
-    # The queue and the token rate are what the score is made of (docs/snapshot.md): the
-    # same bands as in_flight and rps.
-    waiting: Deadband | None = Deadband(abs=2.0, rel=0.20)
-    running: Deadband | None = Deadband(abs=2.0, rel=0.20)
+    # The queue is what routing compares hosts by: every request that joins or leaves it
+    # moves the version (load.queue_deadband widens the band; docs/snapshot.md says
+    # what each setting measured).
+    in_flight: Deadband | None = Deadband()
+    waiting: Deadband | None = Deadband()
+    running: Deadband | None = Deadband()
     ttft_p99_ms: Deadband | None = Deadband(abs=10.0, rel=0.20)
     itl_p99_ms: Deadband | None = Deadband(abs=2.0, rel=0.20)
     pace_ms: Deadband | None = Deadband(abs=2.0, rel=0.20)
     tokens_per_s: Deadband | None = Deadband(abs=5.0, rel=0.20)
+
+    def with_queue(self, requests: float) -> Deadbands:
+        """These bands, with in_flight, waiting and running moving the version only when
+        they change by more than `requests`."""
+        band = Deadband(abs=requests)
+        return replace(self, in_flight=band, waiting=band, running=band)
 
 
 _MODEL_FIGURES = ("rps", "error_ratio", "p50_ms", "p99_ms", "in_flight", "waiting", "running",

@@ -22,8 +22,9 @@ def test_report_has_the_fixed_keys(report: dict[str, Any]) -> None:
     json.dumps(report)  # JSON-ready as is
     assert [r["policy"] for r in report["results"]] == list(POLICIES)
     for r in report["results"]:
-        assert set(r) == {"policy", "load", "p50_ms", "p99_ms"}
+        assert set(r) == {"policy", "load", "p50_ms", "p99_ms", "wait_p99_ms"}
         assert r["load"] == 0.85 and 0 < r["p50_ms"] <= r["p99_ms"]
+        assert 0 <= r["wait_p99_ms"] < r["p99_ms"]
     assert {h["policy"] for h in report["herding"]} == set(POLICIES)
     ages = report["view_age_ms"][0]
     # The routers decide on views as old as gossip makes them: half a second and more.
@@ -34,6 +35,9 @@ def test_policies_rank_as_information_allows(report: dict[str, Any]) -> None:
     p99 = {r["policy"]: r["p99_ms"] for r in report["results"]}
     swing = {h["policy"]: h["swing_p95"] for h in report["herding"]}
     assert p99["jsq_oracle"] <= p99["loadmesh"] < p99["p2c"] < p99["round_robin"]
+    # The queue oracle is the one that knows the queues: nothing waits less for a slot.
+    wait = {r["policy"]: r["wait_p99_ms"] for r in report["results"]}
+    assert wait["jsq_queue"] == min(wait.values())
     # The arg-min of stale scores herds: it swings servers far more than anything else.
     assert swing["least_loaded"] > 3 * max(v for k, v in swing.items() if k != "least_loaded")
     checks = goal_checks(report)

@@ -183,7 +183,6 @@ WOBBLES = {
     "error ratio": dict(models=model(error_ratio=0.012)),
     "p50": dict(models=model(p50_ms=58.0)),
     "p99": dict(models=model(p99_ms=235.0)),
-    "in flight": dict(models=model(in_flight=12)),
     "timestamp": dict(timestamp_ms=NOW + 4999),
 }
 
@@ -208,7 +207,10 @@ MOVES = {
     "error ratio": dict(models=model(error_ratio=0.016)),
     "p50": dict(models=model(p50_ms=61.0)),
     "p99": dict(models=model(p99_ms=241.0)),
-    "in flight": dict(models=model(in_flight=13)),
+    # the queue: any request that joins or leaves it
+    "in flight": dict(models=model(in_flight=11)),
+    "waiting": dict(models=model(waiting=1)),
+    "running": dict(models=model(running=1)),
 }
 
 
@@ -243,6 +245,17 @@ def test_heartbeat_moves_version_without_change() -> None:
 
 def test_wall_clock_stepping_back_publishes() -> None:
     assert detector.compare(snap(), snap(timestamp_ms=NOW - 1)).material
+
+
+def test_queue_deadband_widens_the_queue_figures_alone() -> None:
+    wide = ChangeDetector(Deadbands().with_queue(2.0))
+    for figure in ("in_flight", "waiting", "running"):
+        was = getattr(snap().models[0], figure)
+        assert not wide.compare(snap(), snap(models=model(**{figure: was + 2}))).material
+        assert wide.compare(snap(), snap(models=model(**{figure: was + 3}))).material
+    # the other figures keep their bands
+    assert wide.compare(snap(), snap(models=model(rps=121.0))).material
+    assert not wide.compare(snap(), snap(models=model(rps=115.0))).material
 
 
 def test_deadbands_are_configurable() -> None:

@@ -30,6 +30,13 @@ numbers, so differences come from the policy):
     p2c           two uniform choices, the lower stale score wins
     jsq_oracle    exact, instant state: join the server where the request finishes soonest
                   on average (join-shortest-queue generalised to unequal servers)
+    jsq_queue     exact, instant state: join the shortest queue per unit of throughput,
+                  (in system + 1) / (slots x speed): the oracle of scripts/bench_fleet.py,
+                  which does not trade a wait for a faster slot as jsq_oracle does
+
+Each run gives the P50 and P99 of the time to an answer's end and the P99 of the time to
+a slot (`wait_p99_ms`, a stream's time to its first token less its prefill): the figure
+that scripts/bench_fleet.py judges by.
 
 Herding is measured on each server's occupancy (in flight / slots) minus the fleet's,
 sampled every `sample_s`: a burst moves the whole fleet and is not herding; one server
@@ -60,7 +67,7 @@ from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot
 from loadmesh.model_id import model_id
 
 MODEL = "llama-3.1-70b-instruct"
-POLICIES = ("loadmesh", "round_robin", "random", "least_loaded", "p2c", "jsq_oracle")
+POLICIES = ("loadmesh", "round_robin", "random", "least_loaded", "p2c", "jsq_oracle", "jsq_queue")
 LOADS = (0.7, 0.85, 0.95)
 
 
@@ -237,18 +244,29 @@ class _StaleScores(_Baseline):
         return self.rng.choice([i for i in pool if scores[i] == low])
 
 
+def _finish(s: _Server) -> float:
+    """Mean time to finish a new request: its own service, plus, when all slots are taken,
+    its wait for the queue ahead of it to drain through all the slots (jsq_oracle)."""
+    return (1 + max(0, s.in_system - s.slots + 1) / s.slots) / s.speed
+
+
+def _queue(s: _Server) -> float:
+    """The queue a new request joins per unit of throughput (jsq_queue)."""
+    return (s.in_system + 1) / (s.slots * s.speed)
+
+
 class _Oracle(_Baseline):
-    def __init__(self, servers: list[_Server], rng: random.Random) -> None:
+    """Exact, instant state: a server where `cost` is lowest, ties drawn at random."""
+
+    def __init__(self, servers: list[_Server], rng: random.Random,
+                 cost: Callable[[_Server], float]) -> None:
         self.servers = servers
         self.rng = rng
+        self.cost = cost
 
     def choose(self, router: int, now: float) -> int:
-        # Mean time to finish a new request: its own service, plus, when all slots are
-        # taken, its wait for the queue ahead of it to drain through all the slots.
-        def finish(s: _Server) -> float:
-            return (1 + max(0, s.in_system - s.slots + 1) / s.slots) / s.speed
-        best = min(finish(s) for s in self.servers)
-        return self.rng.choice([s.index for s in self.servers if finish(s) == best])
+        best = min(self.cost(s) for s in self.servers)
+        return self.rng.choice([s.index for s in self.servers if self.cost(s) == best])
 
 
 class _Loadmesh:
@@ -290,6 +308,7 @@ _DONE, _ARRIVAL, _BURST, _TICK, _GOSSIP, _SAMPLE = range(6)
 @dataclass
 class _Run:
     latencies: list[float]
+    waits: list[float]          # ms from arrival to a slot, of the requests after the warm-up
     excess: list[list[float]]   # per server, occupancy minus the fleet's, each sample
     ages: list[int]
 
@@ -322,6 +341,7 @@ def _run(policy_name: str, load: float, seed: int, config: SimConfig) -> _Run:
     sizes: list[float] = []
     done: list[bool] = []
     latencies: list[float] = []
+    waits: list[float] = []
     excess: list[list[float]] = [[] for _ in servers]
     total_slots = sum(s.slots for s in servers)
 
@@ -344,6 +364,8 @@ def _run(policy_name: str, load: float, seed: int, config: SimConfig) -> _Run:
 
     def start(s: _Server, req: int, now: float) -> None:
         s.waits.append((now, (now - born[req]) * 1000))
+        if born[req] >= config.warmup_s:
+            waits.append((now - born[req]) * 1000)
         if s.busy == 0:
             s.busy_since = now
         s.busy += 1
@@ -410,7 +432,9 @@ def _run(policy_name: str, load: float, seed: int, config: SimConfig) -> _Run:
     latencies.extend((end - born[i]) * 1000 for i in range(len(born))
                      if not done[i] and born[i] >= config.warmup_s)
     ages = policy.ages if isinstance(policy, _Loadmesh) else []
-    return _Run(latencies, excess, ages)
+    # Requests still waiting at the end count with their wait so far, as above.
+    waits.extend((end - born[i]) * 1000 for s in servers for i in s.queue if born[i] >= config.warmup_s)
+    return _Run(latencies, waits, excess, ages)
 
 
 def _make_policy(name: str, servers: list[_Server], config: SimConfig, rng: random.Random,
@@ -421,7 +445,8 @@ def _make_policy(name: str, servers: list[_Server], config: SimConfig, rng: rand
         "random": lambda: _Random(len(servers), rng),
         "least_loaded": lambda: _StaleScores(len(servers), config.routers, rng, None),
         "p2c": lambda: _StaleScores(len(servers), config.routers, rng, 2),
-        "jsq_oracle": lambda: _Oracle(servers, rng),
+        "jsq_oracle": lambda: _Oracle(servers, rng, _finish),
+        "jsq_queue": lambda: _Oracle(servers, rng, _queue),
     }
     return makers[name]()
 
@@ -437,9 +462,9 @@ def _swing_p95(excess: list[list[float]], config: SimConfig) -> float:
 
 def simulate(loads: Sequence[float] = LOADS, policies: Sequence[str] = POLICIES, seed: int = 0,
              config: SimConfig | None = None) -> dict[str, Any]:
-    """Every policy at every load. JSON-ready: `results` (policy, load, p50_ms, p99_ms),
-    `herding` (policy, load, swing_p95), `view_age_ms`
-    (the age of the snapshots loadmesh decided on), and the parameters."""
+    """Every policy at every load. JSON-ready: `results` (policy, load, p50_ms, p99_ms,
+    wait_p99_ms), `herding` (policy, load, swing_p95), `view_age_ms` (the age of the
+    snapshots loadmesh decided on), and the parameters."""
     config = config or SimConfig()
     unknown = set(policies) - set(POLICIES)
     if unknown:
@@ -455,7 +480,8 @@ def simulate(loads: Sequence[float] = LOADS, policies: Sequence[str] = POLICIES,
             latencies = sorted(run.latencies)
             results.append({"policy": name, "load": load,
                             "p50_ms": round(_percentile(latencies, 0.5), 1),
-                            "p99_ms": round(_percentile(latencies, 0.99), 1)})
+                            "p99_ms": round(_percentile(latencies, 0.99), 1),
+                            "wait_p99_ms": round(_percentile(sorted(run.waits), 0.99), 1)})
             herding.append({"policy": name, "load": load,
                             "swing_p95": round(_swing_p95(run.excess, config), 3)})
             if run.ages:
