@@ -202,10 +202,37 @@ static __always_inline void close_flow(struct lm_ctx *c, struct lm_flow_state *s
 }
 
 /* Every step ends here: the next step of the segment, if any, then the connection's end
- * when the segment carried FIN or RST. */
+ * when the segment carried FIN or RST.
+ *
+ * One call site per step, each with a constant index: the verifier then has the JIT jump
+ * straight to the step, where a computed index jumps through a retpoline (this kernel,
+ * like most, has them on). The empty asm after each call is a different statement per
+ * step, so that clang cannot merge the calls back into one with a computed index. Measured
+ * in turn with the computed index (bench_probe_steps.py, six pairs of runs): a request and
+ * its JSON answer 936 -> 911 ns, a stream of eight events 4525 -> 4300 ns. */
 static __always_inline int dispatch(struct __sk_buff *skb, struct lm_ctx *c, int next) {
-    if (next >= 0)
-        lm_steps.call(skb, next);
+    switch (next) {
+    case STEP_REQ:
+        lm_steps.call(skb, STEP_REQ);
+        asm volatile("// step_req" ::: "memory");
+        break;
+    case STEP_RESP:
+        lm_steps.call(skb, STEP_RESP);
+        asm volatile("// step_resp" ::: "memory");
+        break;
+    case STEP_SSE:
+        lm_steps.call(skb, STEP_SSE);
+        asm volatile("// step_sse" ::: "memory");
+        break;
+    case STEP_BODY:
+        lm_steps.call(skb, STEP_BODY);
+        asm volatile("// step_body" ::: "memory");
+        break;
+    case STEP_USAGE:
+        lm_steps.call(skb, STEP_USAGE);
+        asm volatile("// step_usage" ::: "memory");
+        break;
+    }
     if (c->fin || c->rst)
         lm_steps.call(skb, STEP_CLOSE);
     return PASS;
