@@ -29,7 +29,7 @@ from loadmesh.gossip.snapshot import LoadSnapshot
 log = logs.get("routing")
 
 # How often the router follows the table: fast next to the 500 ms gossip rounds, and cheap
-# since only what changed is read (docs/routing.md, Cost of a decision).
+# since only what changed is read (docs/routing.md, Interface).
 UPDATE_PERIOD_S = 0.1
 # Peers that started within this long after this agent (a fleet starting together, a
 # rolling start's neighbours) are not slow-started: the gossip fills the table over the

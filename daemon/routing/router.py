@@ -53,6 +53,7 @@ from loadmesh.daemon.routing.candidates import (
     build,
     pace_expiry,
     refigure,
+    reweigh,
     static_model_ids,
 )
 from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
@@ -74,15 +75,18 @@ _MAX_CACHED_NAMES = 4096
 # A build of the candidates costs about _BUILD_MS_PER_PEER per peer and model (in an agent
 # among 999 peers of 2 models, 12-28 ms, median 16, on the development machine,
 # 2026-12-05). One estimated above _BUILD_FREE_MS is followed by the next no sooner than its
-# cost x _BUILD_SPACING later when only figures changed: the builds take about 1% of a
-# core. Up to 125 peers of one model every 100 ms update builds as before; at 1000 peers of
-# 2 models the draw's weights and the ring follow the figures within 1.6 s, while each
-# changed peer's load, pace and health count at the next update (docs/routing.md, Cost of
-# a decision). Estimated, not timed: a simulation or a test of the router gives the same
-# answers on any machine, under any load.
+# cost x _BUILD_SPACING later when a candidate was gained, x _FIGURES_SPACING when only
+# figures changed: each changed candidate is refigured in place and its model's draw
+# reweighed at once, so what waits for a build is only what is made of all the candidates
+# together (the largest batch, the typical pace, the sessions' ring), which one peer's
+# version barely moves. Up to 125 peers of one model every update builds; at 1000 peers of
+# 2 models a gained candidate is drawn within 1.6 s and the aggregates follow within 8 s
+# (docs/routing.md, Interface). Estimated, not timed: a simulation or a test of
+# the router gives the same answers on any machine, under any load.
 _BUILD_MS_PER_PEER = 0.008
 _BUILD_FREE_MS = 1.0
 _BUILD_SPACING = 99
+_FIGURES_SPACING = 499
 
 # A peer's cause of being unusable (NoCandidate.counts), and the answer's reason when
 # every peer has that one.
@@ -156,11 +160,14 @@ class Router:
         self._peers: dict[str, PeerRecord] = {}
         self._models: dict[int, ModelCandidates] = {}
         # Until when the candidates hold with the table unchanged (a pace remembered
-        # expires); whether a peer's figures changed since they were built, and when the
-        # budget allows the next build (_BUILD_SPACING).
+        # expires); whether a candidate was gained, or only figures changed, since they
+        # were built; and when the budget allows the next build for each (_BUILD_SPACING,
+        # _FIGURES_SPACING).
         self._rebuild_by = 0
+        self._gained = False
         self._stale = False
         self._next_build = 0
+        self._next_figures = 0
         self._self_id: str | None = None
         self._rings: dict[int, HashRing] = {}
         self._ids: dict[str, int] = {}
@@ -173,20 +180,19 @@ class Router:
 
         A peer's load and age are read from its record at each request, so they count at
         once. What is built from the whole table (which peers are candidates, their
-        capacities against the largest batch, the draw's weights, the sessions' ring) is
-        built again at once when a candidate is lost (a peer gone, dead, draining, or no
-        longer serving a model); when only figures changed or a candidate is gained, at
-        once if the budget allows (a build takes milliseconds per hundred peers: at 1000
-        peers, built at every update it took most of an agent's CPU,
-        scripts/bench_agent_cpu.py), else the changed candidates are refigured in place
-        and the build follows within the budget."""
-        lost = False
+        capacities against the largest batch, the pace they share, the draw's weights, the
+        sessions' ring) is built again at once when a candidate is lost (a peer gone, dead,
+        draining, or no longer serving a model); when a candidate is gained or only
+        figures changed, at once if the budget allows (a build takes milliseconds per
+        hundred peers: at 1000 peers, built at every update it took most of an agent's
+        CPU, scripts/bench_agent_cpu.py). Otherwise a changed candidate is refigured in
+        place and its model's draw reweighed, and the build follows within the budget."""
+        lost = gained = False
         if complete:
             current = {row.node_id for row in peers}
             for gone in self._peers.keys() - current:
                 del self._peers[gone]
                 lost = True
-        changed = False
         refigured: list[PeerRecord] = []
         for row in peers:
             if row.is_self:
@@ -194,7 +200,7 @@ class Router:
             peer = self._peers.get(row.node_id)
             if peer is None:
                 self._peers[row.node_id] = PeerRecord(row, now_ms, self.config)
-                changed = True
+                gained = True
                 continue
             (could, served_before), same = peer.shape, (
                 (peer.snapshot.version, peer.snapshot.timestamp_ms, peer.alive, peer.since_ms)
@@ -203,25 +209,35 @@ class Router:
             can, served = peer.shape
             if (could, served_before) != (can, served):
                 lost = lost or (could and not can) or not set(served_before) <= set(served)
-                changed = True
+                gained = True
             elif not same:
                 refigured.append(peer)
-                changed = True
-        if lost or (changed and now_ms >= self._next_build):
+        self._gained = self._gained or gained
+        self._stale = self._stale or bool(refigured)
+        if lost or self._due(now_ms):
             self._build(now_ms)
-        elif changed:
-            self._stale = True
+        else:
+            moved: set[int] = set()
             for peer in refigured:
-                for entry in self._models.values():
-                    refigure(entry, peer, self.config, now_ms)
+                for mid, entry in self._models.items():
+                    if refigure(entry, peer, self.config, now_ms):
+                        moved.add(mid)
+            for mid in moved:
+                reweigh(self._models[mid])
         self.tick(now_ms)
 
     def tick(self, now_ms: int) -> None:
         # Freshness needs no rebuild: each request checks it against the time the figures
         # were vouched for.
-        if (self._stale or now_ms >= self._rebuild_by) and now_ms >= self._next_build:
+        if self._due(now_ms):
             self._build(now_ms)
         self._shed(now_ms)
+
+    def _due(self, now_ms: int) -> bool:
+        """Whether a build is owed (a candidate gained, figures changed, a remembered pace
+        expired) and its budget allows it now."""
+        return ((self._gained and now_ms >= self._next_build)
+                or ((self._stale or now_ms >= self._rebuild_by) and now_ms >= self._next_figures))
 
     def _build(self, now_ms: int) -> None:
         self._rebuild_by = pace_expiry(self._peers.values(), now_ms)
@@ -233,9 +249,11 @@ class Router:
         # the peers that are not candidates, or not usable for one request, are skipped.
         self._rings = {mid: ring for mid, ring in self._rings.items()
                        if mid in self._models and ring.vnodes == self._models[mid].ring}
-        self._stale = False
+        self._gained = self._stale = False
         cost_ms = _BUILD_MS_PER_PEER * sum(len(entry.known) for entry in self._models.values())
-        self._next_build = now_ms + (round(cost_ms * _BUILD_SPACING) if cost_ms > _BUILD_FREE_MS else 0)
+        charged = cost_ms > _BUILD_FREE_MS
+        self._next_build = now_ms + (round(cost_ms * _BUILD_SPACING) if charged else 0)
+        self._next_figures = now_ms + (round(cost_ms * _FIGURES_SPACING) if charged else 0)
 
     def band(self, model_id: int) -> tuple[float, float]:
         """This node's band of passed-on sessions for the model, (start, width)."""
