@@ -30,14 +30,21 @@ the full snapshot travels.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 import msgpack
 
-Shape = Any  # None for a leaf, ("m", keys, children) or ("a", children)
+# None for a leaf, ("m", keys, children), ("a", children), or ("l", n): an array of n
+# leaves (every record of a snapshot), rebuilt by one slice of the leaves instead of a
+# step per leaf.
+Shape = Any
 Flat = tuple[Shape, tuple[Any, ...]]
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
+# The positions of the set bits of each byte value, least significant first.
+_BITS = tuple(tuple(j for j in range(8) if b >> j & 1) for b in range(256))
 
 
 class DeltaError(ValueError):
@@ -48,14 +55,19 @@ def _walk(obj: Any, leaves: list[Any]) -> Shape:
     if isinstance(obj, dict):
         return ("m", tuple(obj), tuple(_walk(v, leaves) for v in obj.values()))
     if isinstance(obj, list):
+        if not any(isinstance(v, (dict, list)) for v in obj):
+            leaves.extend(obj)
+            return ("l", len(obj))
         return ("a", tuple(_walk(v, leaves) for v in obj))
     leaves.append(obj)
     return None
 
 
-def _build(shape: Shape, leaves: Any) -> Any:
+def _build(shape: Shape, leaves: Iterator[Any]) -> Any:
     if shape is None:
         return next(leaves)
+    if shape[0] == "l":
+        return list(islice(leaves, shape[1]))
     if shape[0] == "m":
         return {k: _build(s, leaves) for k, s in zip(shape[1], shape[2])}
     return [_build(s, leaves) for s in shape[1]]
@@ -92,7 +104,7 @@ def diff(base: Flat, new: Flat) -> bytes | None:
 
 
 def _changed(bitmap: bytes, leaves: int) -> list[int]:
-    changed = [i for i in range(leaves) if bitmap[i >> 3] >> (i & 7) & 1]
+    changed = [i << 3 | j for i, byte in enumerate(bitmap) if byte for j in _BITS[byte]]
     if leaves % 8 and bitmap[-1] >> (leaves % 8):
         raise DeltaError("bitmap marks leaves past the last one")
     return changed

@@ -252,6 +252,34 @@ def test_delta_refuses_shape_changes_bad_input_and_wrong_base() -> None:
         delta.apply(delta.flatten(encode(replace(snap, score=0.1))), changes, zlib.crc32(other))
 
 
+_LEAVES = (st.none() | st.booleans() | st.integers(-(2**62), 2**62) | st.floats(allow_nan=False)
+           | st.text(max_size=6))
+_TREES = st.recursive(_LEAVES, lambda inner: st.lists(inner, max_size=6)
+                      | st.dictionaries(st.text(max_size=3), inner, max_size=5), max_leaves=40)
+
+
+def _with_leaves(obj: object, new: list) -> object:
+    """obj with its leaves, depth first, taken from new in turn (the same shape)."""
+    if isinstance(obj, dict):
+        return {k: _with_leaves(v, new) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_with_leaves(v, new) for v in obj]
+    return new.pop(0)
+
+
+@settings(max_examples=400)
+@given(_TREES, st.data())
+def test_a_delta_rebuilds_any_structure_of_the_same_shape(tree: object, data: st.DataObject) -> None:
+    old = msgpack.packb(tree, use_bin_type=True)
+    flat = delta.flatten(old)
+    leaves = [data.draw(_LEAVES) if data.draw(st.booleans()) else leaf for leaf in flat[1]]
+    new = msgpack.packb(_with_leaves(msgpack.unpackb(old, raw=False), list(leaves)), use_bin_type=True)
+    changes = delta.diff(flat, delta.flatten(new))
+    assert changes is not None
+    result, result_flat = delta.apply(flat, changes, zlib.crc32(new))
+    assert result == new and result_flat == delta.flatten(new)
+
+
 def test_reference_workload_deltas_are_at_most_57_bytes() -> None:
     # Issue 17: half of the 114 bytes a reference version took as a delta before figures
     # were quantized (gossip/snapshot.py) and deltas sent as differences (gossip/delta.py).

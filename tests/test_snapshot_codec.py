@@ -352,6 +352,34 @@ def test_a_record_read_from_the_wire_is_one_its_constructor_accepts_unchanged(cl
     assert replace(record) == record
 
 
+def _by_field(cls: type, raw: list) -> object:
+    """What each field's decoder makes of raw: the reference that from_wire's straight-line
+    reader must match, value for value and error for error."""
+    try:
+        return {s.name: s.decoder(v, cls.__name__) for s, v in zip(cls._FIELDS, raw, strict=False)}
+    except SnapshotError as e:
+        return str(e)
+
+
+@settings(max_examples=1500)
+@given(st.sampled_from([Endpoint, HostLoad, GpuLoad, ModelLoad]), st.data())
+def test_the_straight_line_reader_reads_as_the_field_decoders_do(cls, data) -> None:
+    raw = data.draw(st.lists(_RAW_LEAF, min_size=len(cls._FIELDS), max_size=len(cls._FIELDS) + 1))
+    for i, spec in enumerate(cls._FIELDS):  # each field at and around its bounds too
+        if spec.kind != "str" and data.draw(st.booleans()):
+            top = max(int(spec.hi * spec.scale), spec.max_code)
+            raw[i] = data.draw(st.sampled_from([0, top, top + 1, -1, True, None, 0.5])
+                               | st.integers(0, top + 2))
+    try:
+        got: object = cls.from_wire(raw).__dict__
+    except SnapshotError as e:
+        got = str(e)
+    expected = _by_field(cls, raw)
+    assert got == expected
+    if isinstance(expected, dict):  # 1 == 1.0 == True: the types must match too
+        assert [type(v) for v in got.values()] == [type(v) for v in expected.values()]  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -0.5])
 def test_local_construction_is_checked_too(bad: float) -> None:
     with pytest.raises(SnapshotError):
