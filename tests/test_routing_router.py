@@ -676,17 +676,17 @@ def test_over_its_cpu_budget_a_changed_peer_is_refigured_in_place_and_a_lost_one
     assert len(builds) == 1 and 100 < wait < figures_wait
     # a is overloaded: its weight halves at once, in place, and so does its share of the draw.
     entry = r._models[model_id(MODEL)]
-    before = entry.table
+    before = entry.weights()
     r.update([row("a", version=2, state=NodeState.OVERLOADED, in_flight=4)], NOW + 100, complete=False)
-    assert len(builds) == 1 and r._models[model_id(MODEL)] is entry and entry.table is not before
+    assert len(builds) == 1 and r._models[model_id(MODEL)] is entry and entry.weights() is not before
     a = entry.by_node["a"]
     assert a.weight == r.config.overloaded_weight * a.capacity and a.peer.in_flight == 4
-    assert entry.table._total == pytest.approx(sum(c.rate for c in entry.candidates))
+    assert entry.weights()._total == pytest.approx(sum(c.rate for c in entry.candidates))
     assert a.rate == pytest.approx(r.config.overloaded_weight * entry.by_node["b"].rate)
     # b's queue moved, not its rate: its load counts at the next request, the draw stands.
-    reweighed = entry.table
+    reweighed = entry.weights()
     r.update([row("b", version=2, in_flight=6)], NOW + 200, complete=False)
-    assert entry.table is reweighed and entry.by_node["b"].peer.in_flight == 6
+    assert entry.weights() is reweighed and entry.by_node["b"].peer.in_flight == 6
     r.tick(NOW + figures_wait - 1)
     assert len(builds) == 1
     r.tick(NOW + figures_wait)

@@ -33,7 +33,8 @@ class WeightedTable(Generic[T]):
 
     def __init__(self, items: Sequence[T], weights: Sequence[float]) -> None:
         # (0.0).__lt__ is False for NaN as for 0 and below; mapped, the test runs in C:
-        # a changed peer's model reweighs its table at every update (candidates.reweigh).
+        # a model whose candidates' rates moved makes its table again before each draw
+        # that follows an update (ModelCandidates.weights).
         if len(items) != len(weights) or not all(map((0.0).__lt__, weights)):
             raise ValueError("need one positive weight per item")
         self.items = list(items)

@@ -53,7 +53,6 @@ from loadmesh.daemon.routing.candidates import (
     build,
     pace_expiry,
     refigure,
-    reweigh,
     static_model_ids,
 )
 from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
@@ -77,12 +76,12 @@ _MAX_CACHED_NAMES = 4096
 # 2026-12-05). One estimated above _BUILD_FREE_MS is followed by the next no sooner than its
 # cost x _BUILD_SPACING later when a candidate was gained, x _FIGURES_SPACING when only
 # figures changed: each changed candidate is refigured in place and its model's draw
-# reweighed at once, so what waits for a build is only what is made of all the candidates
-# together (the largest batch, the typical pace, the sessions' ring), which one peer's
-# version barely moves. Up to 125 peers of one model every update builds; at 1000 peers of
-# 2 models a gained candidate is drawn within 1.6 s and the aggregates follow within 8 s
-# (docs/routing.md, Interface). Estimated, not timed: a simulation or a test of
-# the router gives the same answers on any machine, under any load.
+# reweighed before the next draw, so what waits for a build is only what is made of all
+# the candidates together (the largest batch, the typical pace, the sessions' ring), which
+# one peer's version barely moves. Up to 125 peers of one model every update builds; at
+# 1000 peers of 2 models a gained candidate is drawn within 1.6 s and the aggregates
+# follow within 8 s (docs/routing.md, Interface). Estimated, not timed: a simulation or a
+# test of the router gives the same answers on any machine, under any load.
 _BUILD_MS_PER_PEER = 0.008
 _BUILD_FREE_MS = 1.0
 _BUILD_SPACING = 99
@@ -186,7 +185,8 @@ class Router:
         figures changed, at once if the budget allows (a build takes milliseconds per
         hundred peers: at 1000 peers, built at every update it took most of an agent's
         CPU, scripts/bench_agent_cpu.py). Otherwise a changed candidate is refigured in
-        place and its model's draw reweighed, and the build follows within the budget."""
+        place, its model's draw reweighed before the next draw where its rate moved, and
+        the build follows within the budget."""
         lost = gained = False
         if complete:
             current = {row.node_id for row in peers}
@@ -217,13 +217,9 @@ class Router:
         if lost or self._due(now_ms):
             self._build(now_ms)
         else:
-            moved: set[int] = set()
             for peer in refigured:
-                for mid, entry in self._models.items():
-                    if refigure(entry, peer, self.config, now_ms):
-                        moved.add(mid)
-            for mid in moved:
-                reweigh(self._models[mid])
+                for entry in self._models.values():
+                    refigure(entry, peer, self.config, now_ms)
         self.tick(now_ms)
 
     def tick(self, now_ms: int) -> None:
@@ -287,7 +283,7 @@ class Router:
             ramp = self._ramp(c, now_ms)
             return ramp >= 1.0 or self._rng.random() < ramp
 
-        drawn = entry.table.draw(self._rng, self._draw, accept, self._draw * _TRIES_PER_PICK)
+        drawn = entry.weights().draw(self._rng, self._draw, accept, self._draw * _TRIES_PER_PICK)
         reason = Reason.POWER_OF_D
         if drawn is None:
             filtered = self._draw_filtered(entry, excluded, now_ms)
