@@ -303,15 +303,15 @@ class ModelCandidates:
     paced_by: int = 0
     typical: float = 1.0
     # A refigured candidate's rate moved since the table was made.
-    reweigh: bool = False
+    rates_moved: bool = False
 
     def weights(self) -> WeightedTable[Candidate]:
         """The draw's table, made again from the candidates' rates where one moved: a pass
         over a list of floats (1000 candidates: about 60 us, against 8 ms for build()),
         made when a request needs it, not at every update that refigured a candidate."""
-        if self.reweigh:
+        if self.rates_moved:
             self.table = WeightedTable(self.candidates, list(map(_RATE, self.candidates)))
-            self.reweigh = False
+            self.rates_moved = False
         return self.table
 
 
@@ -422,7 +422,7 @@ def refigure(entry: ModelCandidates, peer: PeerRecord, config: RoutingConfig, no
     loads = [m for m in peer.snapshot.models if m.model_id == entry.model_id]
     new = _candidate(peer, loads, config, entry.reference, now_ms)
     _set_pace(new, entry.paced_by, entry.typical)
-    entry.reweigh = entry.reweigh or new.rate != old.rate
+    entry.rates_moved = entry.rates_moved or new.rate != old.rate
     for name in Candidate.__slots__:
         setattr(old, name, getattr(new, name))
 
