@@ -257,7 +257,8 @@ def _reader(cls: type) -> Callable[[list[Any]], Any]:
                      f"    v{i} = {slow}"]
         elif spec.kind == "int" and not spec.optional:
             lo, hi = int(spec.lo), int(spec.hi)
-            assert (lo, hi) == (spec.lo, spec.hi), spec
+            if (lo, hi) != (spec.lo, spec.hi):
+                raise TypeError(f"{where}.{spec.name}: an int field's bounds must be ints")
             body.append(f"v{i} = c if type(c) is int and {lo} <= c <= {hi} else {slow}")
         elif spec.kind == "bool" and not spec.optional:
             body.append(f"v{i} = c if c is True or c is False else {slow}")
