@@ -265,8 +265,9 @@ class _Oracle(_Baseline):
         self.cost = cost
 
     def choose(self, router: int, now: float) -> int:
-        best = min(self.cost(s) for s in self.servers)
-        return self.rng.choice([s.index for s in self.servers if self.cost(s) == best])
+        costs = [self.cost(s) for s in self.servers]
+        best = min(costs)
+        return self.rng.choice([s.index for s, c in zip(self.servers, costs) if c == best])
 
 
 class _Loadmesh:
