@@ -7,7 +7,11 @@ pair, so every request and response crosses the probed interface once.
 
   (a) probe kernel time per request: run time of the probe programs from the kernel's BPF
       statistics (kernel.bpf_stats_enabled=1; tail-called steps run inside their entry
-      program) over wrk's request count. Goal <= 1 us. Then the same with streaming:
+      program) over wrk's request count. Goal <= 1 us. Beside it, the timing's own floor:
+      an empty TC program on the same interface, timed the same way on the same packets.
+      Its run time is what the statistics add to every run (two clock reads around it),
+      which the probes do not cost when nobody times them; the net figure leaves it out.
+      Then the same with streaming:
       openai-python clients stream chat completions from a uvicorn + Starlette server
       (tests/llm_server.py, on a second port): kernel time per request and per SSE event.
   (b) requests/s with probes over without: one unbroken wrk run during which the probes
@@ -43,6 +47,7 @@ import os
 import re
 import resource
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -50,7 +55,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +65,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get cleaned up)
 
 from loadmesh.daemon.probes_component import POLL_S  # noqa: E402
-from loadmesh.probes import FingerprintReader, MapSizes, ProbeSet, abi, buckets  # noqa: E402
+from loadmesh.probes import FingerprintReader, MapSizes, ProbeSet, abi, buckets, tcx  # noqa: E402
 from loadmesh.probes.maps import MapSnapshot  # noqa: E402
 from loadmesh.model_id import model_id  # noqa: E402
 
@@ -71,6 +76,39 @@ TTFB = abi.const("LM_HK_TTFB")
 MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3",
           "Qwen/Qwen2.5-14B-Instruct")
 STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
+# -1 is TC_ACT_UNSPEC: the packet goes on as if the program were not there
+FLOOR_TEXT = b"int lm_floor(struct __sk_buff *skb) { return -1; }"
+
+
+class Floor:
+    """The timing's floor: an empty TC program, attached beside the probes only while
+    kernel time is measured (attached throughout, its untimed cost would weigh on (b) and
+    (d) as well)."""
+
+    def __init__(self, ifname: str) -> None:
+        import bcc  # Debian's python3-bpfcc, as the probes' loader uses it
+
+        self._bpf = bcc.BPF(text=FLOOR_TEXT)
+        self.fd = self._bpf.load_func("lm_floor", bcc.BPF.SCHED_CLS).fd
+        self._ifname = ifname
+        self._ifindex = socket.if_nametoindex(ifname)
+
+    @contextmanager
+    def attached(self) -> Iterator[None]:
+        links = [tcx.attach(self._ifname, self._ifindex, ingress, self.fd)
+                 for ingress in (False, True)]
+        try:
+            yield
+        finally:
+            for link in links:
+                tcx.detach(link)
+
+    def stats(self) -> tuple[int, int]:
+        """(run_time_ns, run_cnt), as ProbeSet.prog_stats reads its programs'."""
+        info = dict(line.split(":", 1)
+                    for line in Path(f"/proc/self/fdinfo/{self.fd}").read_text().splitlines())
+        return int(info["run_time_ns"]), int(info["run_cnt"])
+
 
 NGINX_CONF = """
 worker_processes 1;
@@ -279,6 +317,8 @@ class KernelTime:
 
     run_ns: int = 0
     runs: int = 0
+    floor_ns: int = 0  # the floor program's run time and runs (Floor), when measured
+    floor_runs: int = 0
     before: MapSnapshot | None = None
     after: MapSnapshot | None = None
 
@@ -293,29 +333,37 @@ class KernelTime:
 
 
 @contextmanager
-def kernel_time(probes: ProbeSet) -> Iterator[KernelTime]:
-    """BPF statistics on (kernel.bpf_stats_enabled) around the block; the result is filled
-    in when it ends."""
+def kernel_time(probes: ProbeSet, floor: Floor | None = None) -> Iterator[KernelTime]:
+    """BPF statistics on (kernel.bpf_stats_enabled) around the block, and the floor program
+    attached if one is given; the result is filled in when it ends."""
     out = KernelTime()
     stats_before = STATS_SYSCTL.read_text().strip()
     STATS_SYSCTL.write_text("1")
     try:
-        out.before = probes.read_maps(with_flows=False)
-        s0 = probes.prog_stats()
-        yield out
-        s1 = probes.prog_stats()
-        out.after = probes.read_maps(with_flows=False)
+        with floor.attached() if floor else nullcontext():
+            out.before = probes.read_maps(with_flows=False)
+            f0 = floor.stats() if floor else (0, 0)
+            s0 = probes.prog_stats()
+            yield out
+            s1 = probes.prog_stats()
+            f1 = floor.stats() if floor else (0, 0)
+            out.after = probes.read_maps(with_flows=False)
     finally:
         STATS_SYSCTL.write_text(stats_before)
+    out.floor_ns, out.floor_runs = f1[0] - f0[0], f1[1] - f0[1]
     out.run_ns = sum(s1[k][0] - s0.get(k, (0, 0))[0] for k in s1)
     out.runs = sum(s1[k][1] - s0.get(k, (0, 0))[1] for k in s1 if k.startswith("lm_tc_"))
 
 
-def cost_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float) -> dict:
+def cost_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float,
+               floor: Floor) -> dict:
     """(a) and (c): one wrk run with the probes attached and BPF statistics on."""
-    with kernel_time(probes) as k:
+    with kernel_time(probes, floor) as k:
         res = run_wrk(url, lua, conns, seconds)
     res["ns_per_req"] = k.run_ns / res["requests"]
+    res["floor_ns_per_req"] = k.floor_ns / res["requests"]
+    res["floor_ns_per_run"] = k.floor_ns / max(k.floor_runs, 1)
+    res["floor_runs"], res["runs"] = k.floor_runs, k.runs
     res["ns_per_run"] = k.run_ns / max(k.runs, 1)
     res["runs_per_req"] = k.runs / res["requests"]
     assert k.before is not None and k.after is not None
@@ -326,14 +374,14 @@ def cost_phase(probes: ProbeSet, url: str, lua: Path, conns: int, seconds: float
 
 
 def stream_phase(probes: ProbeSet, url: str, clients: int, seconds: float,
-                 max_tokens: int) -> dict:
+                 max_tokens: int, floor: Floor) -> dict:
     """(a) with streaming: openai-python clients (tests/llm_clients.py, one process each)
     stream chat completions from the uvicorn + Starlette server (tests/llm_server.py), BPF
     statistics on: kernel time per request and per SSE event."""
     argv = [sys.executable, str(ROOT / "tests" / "llm_clients.py"), "--url", url,
             "--model", "bench-stream", "--requests", "1000000", "--seconds", str(seconds),
             "--max-tokens", str(max_tokens), "--stream"]
-    with kernel_time(probes) as k:
+    with kernel_time(probes, floor) as k:
         procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
                  for _ in range(clients)]
         timings = []
@@ -344,6 +392,7 @@ def stream_phase(probes: ProbeSet, url: str, clients: int, seconds: float,
     events = sum(len(t["events"]) for t in timings)
     return {"requests": requests, "events": events, "ns_per_req": k.run_ns / requests,
             "ns_per_event": k.run_ns / max(events, 1), "runs_per_req": k.runs / requests,
+            "floor_ns_per_req": k.floor_ns / requests,
             "counted": k.counted(), "errors": k.errors()}
 
 
@@ -456,15 +505,17 @@ def main() -> int:
             uvicorn_url = f"http://{topo.ns_v4}:{UVICORN_PORT}/v1/chat/completions"
             run_wrk(uvicorn_url, lua, args.conns, 2)  # warm-up, and up by now
             probes = ProbeSet([topo.host_if], [PORT, SSE_PORT, UVICORN_PORT], sizes)
+            floor = Floor(topo.host_if)
             t = time.perf_counter()
             probes.start()
             start_s = time.perf_counter() - t
             try:
                 ratio = ratio_phase(probes, topo.host_if, url, lua, args.conns, args.phases,
                                     args.phase_seconds)
-                cost = cost_phase(probes, url, lua, args.conns, args.seconds)
+                cost = cost_phase(probes, url, lua, args.conns, args.seconds, floor)
                 stream = stream_phase(probes, f"http://{topo.ns_v4}:{SSE_PORT}",
-                                      args.stream_clients, args.seconds, args.stream_tokens)
+                                      args.stream_clients, args.seconds, args.stream_tokens,
+                                      floor)
                 uvicorn = uvicorn_phase(probes, uvicorn_url, lua, args.conns, args.uvicorn_runs,
                                         args.phase_seconds, uvicorn_proc.pid)
                 reader = reader_phase(probes, url, lua, args.reader_conns, args.seconds)
@@ -475,8 +526,12 @@ def main() -> int:
           f"attached in {start_s:.1f} s")
     print(f"(a) probe kernel time per request: {cost['ns_per_req'] / 1000:.3f} us "
           f"({cost['runs_per_req']:.2f} program runs per request, {cost['ns_per_run']:.0f} ns "
-          f"each; goal <= 1 us)")
-    print(f"(a) streamed: {stream['ns_per_req'] / 1000:.3f} us per request, "
+          f"each), of which the timing's floor {cost['floor_ns_per_req'] / 1000:.3f} us (an "
+          f"empty TC program timed on the same packets: {cost['floor_runs']} runs against "
+          f"the probes' {cost['runs']}, {cost['floor_ns_per_run']:.0f} ns a run); net "
+          f"{(cost['ns_per_req'] - cost['floor_ns_per_req']) / 1000:.3f} us (goal <= 1 us)")
+    print(f"(a) streamed: {stream['ns_per_req'] / 1000:.3f} us per request (net of the "
+          f"floor {(stream['ns_per_req'] - stream['floor_ns_per_req']) / 1000:.3f} us), "
           f"{stream['ns_per_event']:.0f} ns per SSE event ({stream['requests']} requests of "
           f"{args.stream_tokens} tokens from {args.stream_clients} openai-python clients, "
           f"uvicorn + Starlette; {stream['events']} events, "
