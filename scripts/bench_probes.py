@@ -25,8 +25,9 @@ pair, so every request and response crosses the probed interface once.
       runs with the probes off and on in turn, rate and P99 of each on-run against the
       off-runs around it; the same by CPU time, which resolves what a shared machine's
       rates cannot: the CPU a request costs (wrk and the server, kernel included) against
-      what the probes' programs add to it; and with one connection, where nothing queues,
-      the P99 the probes add. Goals >= 0.99 and <= 20 us.
+      what the probes' programs add to it (net of the timing's floor, as in (a)); and with
+      one connection, where nothing queues, the P99 the probes add. Goals >= 0.99 and
+      <= 20 us.
 
 Then the reader: wrk keeps 10,000 connections busy while an asyncio loop measures how
 late its 1 ms sleeps wake up, first without the fingerprint reader, then with it polling
@@ -266,18 +267,18 @@ def against_neighbours(results: list[tuple[bool, dict]], key: str,
 
 
 def uvicorn_phase(probes: ProbeSet, url: str, lua: Path, conns: int, runs: int,
-                  run_s: float, server_pid: int) -> dict:
+                  run_s: float, server_pid: int, floor: Floor) -> dict:
     """(d): saturating wrk runs against uvicorn, probes off and on in turn (each on-run's
     rate and P99 against the off-runs around it); the CPU a request costs without the
     probes against what the probes' programs add to it (BPF statistics, a run of its own:
-    the statistics cost time themselves); then one connection, off and on in turn, for the
-    latency the probes add where nothing queues."""
+    the statistics cost time themselves, and the timing's floor is taken off); then one
+    connection, off and on in turn, for the latency the probes add where nothing queues."""
     results = alternating_wrk(probes, url, lua, conns, runs, run_s, server_pid)
-    with kernel_time(probes) as k:
+    with kernel_time(probes, floor) as k:
         timed = run_wrk(url, lua, conns, run_s)
     single = alternating_wrk(probes, url, lua, 1, runs, run_s, server_pid)
     off_cpu = statistics.median(r["cpu_us_per_req"] for on, r in results if not on)
-    probe_us = k.run_ns / timed["requests"] / 1000
+    probe_us = (k.run_ns - k.floor_ns) / timed["requests"] / 1000
     runs_per_req = k.runs / timed["requests"]
     return {"ratios": against_neighbours(results, "rps", lambda a, b: a / b),
             "added": against_neighbours(results, "p99_ms", lambda a, b: a - b),
@@ -285,7 +286,8 @@ def uvicorn_phase(probes: ProbeSet, url: str, lua: Path, conns: int, runs: int,
             "p99_ms": statistics.median(r["p99_ms"] for _, r in results),
             "off_cpu_us": off_cpu,
             "on_cpu_us": statistics.median(r["cpu_us_per_req"] for on, r in results if on),
-            "probe_us": probe_us, "runs_per_req": runs_per_req,
+            "probe_us": probe_us, "floor_us": k.floor_ns / timed["requests"] / 1000,
+            "runs_per_req": runs_per_req,
             "cpu_ratio": off_cpu / (off_cpu + probe_us),
             "single_added": against_neighbours(single, "p99_ms", lambda a, b: a - b),
             "single_p99_ms": statistics.median(r["p99_ms"] for on, r in single if not on),
@@ -518,7 +520,7 @@ def main() -> int:
                                       args.stream_clients, args.seconds, args.stream_tokens,
                                       floor)
                 uvicorn = uvicorn_phase(probes, uvicorn_url, lua, args.conns, args.uvicorn_runs,
-                                        args.phase_seconds, uvicorn_proc.pid)
+                                        args.phase_seconds, uvicorn_proc.pid, floor)
                 reader = reader_phase(probes, url, lua, args.reader_conns, args.seconds)
             finally:
                 probes.stop()
@@ -555,7 +557,8 @@ def main() -> int:
     print(f"(d) by CPU time: a request costs {uvicorn['off_cpu_us']:.1f} us of CPU without the "
           f"probes (wrk and uvicorn, kernel included; {uvicorn['on_cpu_us']:.1f} us in the "
           f"on-runs), the probes' programs {uvicorn['probe_us']:.2f} us of it (BPF "
-          f"statistics, {uvicorn['runs_per_req']:.2f} runs per request): the rate they leave a "
+          f"statistics, {uvicorn['runs_per_req']:.2f} runs per request, net of the timing's "
+          f"floor of {uvicorn['floor_us']:.2f} us): the rate they leave a "
           f"saturated server is {uvicorn['cpu_ratio']:.4f} of it (goal >= 0.99)")
     s1, _, s3 = statistics.quantiles(uvicorn["single_added"], n=4)
     print(f"(d) one connection (nothing queues; {uvicorn['single_rps']:.0f} req/s, P99 "
