@@ -40,8 +40,8 @@ static __always_inline u64 stamped(struct __sk_buff *skb) {
 
 /* Per packet of the interface, what comes first is the one test most packets fail: is
  * either port served? It costs two header copies and two bitmap reads (array lookups the
- * JIT inlines: no helper call); the scratch, the addresses and the rest of the TCP header
- * are touched only past it. */
+ * JIT inlines: no helper call). Then whether the segment carries anything: a bare ACK
+ * leaves there. The scratch and the addresses are touched only past both. */
 static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
     u32 l4, ip_end;
     struct iphdr ip;
@@ -78,6 +78,14 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
     else if (serving(sport))
         dir = STEP_RESP;
     else
+        return PASS;
+    u32 poff = l4 + th.doff * 4;
+    if (ip_end > skb->len)
+        ip_end = skb->len;
+    u32 len = ip_end > poff ? ip_end - poff : 0;
+    /* A bare ACK, about every other segment of a stream: nothing to parse, nothing ends.
+     * It leaves before the scratch and the 5-tuple are touched. */
+    if (len == 0 && !(th.syn | th.fin | th.rst))
         return PASS;
 
     u32 zero = 0;
@@ -120,17 +128,13 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
         }
         return PASS;
     }
-    u32 poff = l4 + th.doff * 4;
-    if (ip_end > skb->len)
-        ip_end = skb->len;
-    c->len = ip_end > poff ? ip_end - poff : 0;
+    c->len = len;
     c->fin = th.fin;
     c->rst = th.rst;
     c->now = stamped(skb);
     c->dir = dir;
-    if (c->len == 0) {
-        if (c->fin || c->rst)
-            lm_steps.call(skb, STEP_CLOSE);
+    if (len == 0) { /* FIN or RST */
+        lm_steps.call(skb, STEP_CLOSE);
         return PASS;
     }
     c->poff = poff;
