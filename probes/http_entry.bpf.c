@@ -38,6 +38,27 @@ static __always_inline u64 stamped(struct __sk_buff *skb) {
     return skb->tstamp_type == BPF_SKB_TSTAMP_DELIVERY_MONO ? skb->tstamp : 0;
 }
 
+/* Whether a response segment's payload starts like one chunk of a stream's events: a
+ * chunk-size line of 1 to 4 hex digits, then "data:". Such a segment goes straight to
+ * lm_sse, which checks it against the connection's state and hands anything else to
+ * lm_resp: for each event of a stream that spares lm_resp's program, its tail call and
+ * its lookup, and an event is about every other segment the probes see. Read straight
+ * from the linear data (a copy would cost a helper call on every answer's segment). */
+static __always_inline int sse_chunk(struct __sk_buff *skb, u32 poff) {
+    u8 *p = (u8 *)(long)skb->data + poff;
+    if (poff > 0xffff || p + 16 > (u8 *)(long)skb->data_end)
+        return 0;
+    u64 a = *(u64 *)p, b = *(u64 *)(p + 8);
+#pragma unroll
+    for (int j = 1; j <= 4; j++) {
+        /* the 7 bytes "\r\ndata:" at offset j of the 16 */
+        u64 at = (a >> (8 * j)) | (b << (64 - 8 * j));
+        if ((at & LOW(7)) == C8('\r', '\n', 'd', 'a', 't', 'a', ':', 0))
+            return 1;
+    }
+    return 0;
+}
+
 /* Per packet of the interface, what comes first is the one test most packets fail: is
  * either port served? It costs two header copies and two bitmap reads (array lookups the
  * JIT inlines: no helper call). Then whether the segment carries anything: a bare ACK
@@ -146,6 +167,9 @@ static __always_inline int entry(struct __sk_buff *skb, u32 l3) {
     if (dir == STEP_REQ) {
         lm_steps.call(skb, STEP_REQ);
         asm volatile("// req" ::: "memory");
+    } else if (sse_chunk(skb, poff)) {
+        lm_steps.call(skb, STEP_SSE);
+        asm volatile("// sse" ::: "memory");
     } else {
         lm_steps.call(skb, STEP_RESP);
         asm volatile("// resp" ::: "memory");

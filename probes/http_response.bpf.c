@@ -132,6 +132,24 @@ static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s
     return STEP_RESP;
 }
 
+/* An answer's body goes on in this segment, framed: follows its chunk lines and, where
+ * its end is in the segment, puts it in c->aend. Returns STEP_RESP when there are more
+ * chunk lines than one step follows (the next step goes on), else STEP_NONE. */
+static __always_inline int framed_body(struct __sk_buff *skb, struct lm_scratch *s,
+                                       struct lm_flow_state *st) {
+    struct lm_ctx *c = &s->c;
+    if ((st->flags & LM_F_RESP_CHUNKED) && !c->hopped) {
+        chunk_hops(skb, s, st);
+        if (!c->hopped)
+            return STEP_RESP;
+    }
+    s32 r = (s32)(st->resp_next - c->seq);
+    if ((st->flags & (LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED)) == LM_F_RESP_FRAMED &&
+        r >= 0 && r <= (s32)c->len)
+        c->aend = r < (s32)c->pos ? c->pos : (u32)r;
+    return STEP_NONE;
+}
+
 /* Unframed, with requests outstanding (a pipelining client, or framing lost): searches
  * the rest of the segment, a window per step, for a status line. Returns its offset, or -1
  * with c->pos moved past what was searched. */
@@ -223,16 +241,8 @@ static __always_inline int resp_step(struct __sk_buff *skb, struct lm_scratch *s
             end_answer(c, st, LM_OUT_COMPLETE, 0);
             return STEP_RESP;
         }
-    } else {
-        if ((st->flags & LM_F_RESP_CHUNKED) && !c->hopped) {
-            chunk_hops(skb, s, st);
-            if (!c->hopped)
-                return STEP_RESP; /* more chunk lines than one step follows */
-        }
-        s32 r = (s32)(st->resp_next - c->seq);
-        if ((st->flags & (LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED)) == LM_F_RESP_FRAMED &&
-            r >= 0 && r <= (s32)c->len)
-            c->aend = r < (s32)c->pos ? c->pos : (u32)r;
+    } else if (framed_body(skb, s, st) == STEP_RESP) {
+        return STEP_RESP;
     }
     u32 lim = c->aend < c->len ? c->aend : c->len;
     if ((st->aflags & LM_A_SSE) && c->pos < lim)

@@ -156,12 +156,31 @@ static __always_inline int sse_step(struct __sk_buff *skb, struct lm_scratch *s,
     return usage_next(c, wbase + from, wbase + n, next);
 }
 
+/* A segment the entry sent here straight (sse_chunk): the events of a chunked stream go
+ * on, if the connection's state agrees; lm_resp takes anything else, as it would have
+ * from the entry. */
+static __always_inline int sse_first_step(struct __sk_buff *skb, struct lm_scratch *s,
+                                          struct lm_flow_state *st) {
+    struct lm_ctx *c = &s->c;
+    if ((st->aflags & (LM_A_ACTIVE | LM_A_SSE)) != (LM_A_ACTIVE | LM_A_SSE) ||
+        (st->flags & (LM_F_UPGRADED | LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED)) !=
+            (LM_F_RESP_FRAMED | LM_F_RESP_CHUNKED))
+        return STEP_RESP;
+    c->aend = NOWHERE;
+    if (framed_body(skb, s, st) == STEP_RESP)
+        return STEP_RESP;
+    u32 lim = c->aend < c->len ? c->aend : c->len;
+    return c->pos < lim ? STEP_SSE : STEP_RESP;
+}
+
 int lm_sse(struct __sk_buff *skb) {
     u32 zero = 0;
     struct lm_scratch *s = scratch.lookup(&zero);
     if (!s)
         return PASS;
     struct lm_flow_state *st = resp_enter(skb, s);
+    if (st && s->c.steps == 1 && sse_first_step(skb, s, st) == STEP_RESP)
+        return dispatch(skb, &s->c, STEP_RESP);
     return dispatch(skb, &s->c, st ? sse_step(skb, s, st) : STEP_NONE);
 }
 

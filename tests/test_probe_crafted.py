@@ -1,7 +1,8 @@
 """Exact bytes (tests/crafted.py) through the real programs and maps by BPF_PROG_TEST_RUN:
 the token counts of `usage` objects as the servers write them (one model per layout, so
-each layout's counts stand alone in the `requests` map), and a 5-tuple that a new SYN
-reuses while its old connection still has a state."""
+each layout's counts stand alone in the `requests` map), a 5-tuple that a new SYN
+reuses while its old connection still has a state, and the segments that the entry sends
+straight to lm_sse because they start like a chunk of events."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from loadmesh.model_id import model_id
 
 PORT = 8080
 CHAT = abi.endpoint_names().index("chat")
+TTFT, ITL = abi.const("LM_HK_TTFT"), abi.const("LM_HK_ITL")
 CONTENT = "Paris is the capital of France."
 
 # name -> (answer body, completion tokens or None, prompt tokens)
@@ -118,3 +120,44 @@ def test_a_syn_on_a_5_tuple_with_a_state_ends_its_requests_as_aborted(
     test_run(fd, fresh.answer(answer(LAYOUTS["vllm-compact"][0])))
     stats = probes.read_maps(with_flows=False).requests[(model_id("syn-reused"), PORT, CHAT)]
     assert (stats.aborted, stats.complete) == (1, 1)
+
+
+def sse_chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+def samples(probes: ProbeSet, model: str, kind: int) -> int:
+    mid = model_id(model)
+    return sum(n for key, n in probes.read_maps(with_flows=False).histograms.items()
+               if key[0] == mid and key[3] == kind)
+
+
+def test_segments_that_start_like_a_chunk_of_events_go_by_the_connection_state(
+        probes: ProbeSet) -> None:
+    """The entry sends a segment that starts with a chunk line and `data:` to lm_sse
+    straight. In a chunked stream its events count as they would through lm_resp; in a
+    chunked JSON answer whose body happens to start so, lm_resp frames it: no events, one
+    complete answer."""
+    fd = probes.program_fd("lm_tc_eth")
+    stream = Connection(43000, PORT)
+    test_run(fd, stream.request(request("direct-stream")))
+    test_run(fd, stream.answer(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                               b"transfer-encoding: chunked\r\n\r\n"))
+    for i in range(3):
+        test_run(fd, stream.answer(sse_chunk(b'data: {"choices":[{"delta":{"content":"t%d"}'
+                                             b'}]}\n\n' % i)))
+    test_run(fd, stream.answer(sse_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"))
+    json_answer = Connection(43001, PORT)
+    test_run(fd, json_answer.request(request("direct-json")))
+    test_run(fd, json_answer.answer(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                    b"Transfer-Encoding: chunked\r\n\r\n"))
+    test_run(fd, json_answer.answer(sse_chunk(b"data: 1234567890")))
+    test_run(fd, json_answer.answer(b"0\r\n\r\n"))
+    snap = probes.read_maps(with_flows=False)
+    assert snap.errors == {k: 0 for k in snap.errors}
+    streamed = snap.requests[(model_id("direct-stream"), PORT, CHAT)]
+    assert (streamed.complete, streamed.e2e_tokens) == (1, 3)
+    assert (samples(probes, "direct-stream", TTFT), samples(probes, "direct-stream", ITL)) == (1, 2)
+    plain = snap.requests[(model_id("direct-json"), PORT, CHAT)]
+    assert (plain.complete, plain.e2e_tokens) == (1, 0)
+    assert samples(probes, "direct-json", TTFT) + samples(probes, "direct-json", ITL) == 0
