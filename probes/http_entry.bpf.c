@@ -46,7 +46,7 @@ static __always_inline u64 stamped(struct __sk_buff *skb) {
  * from the linear data (a copy would cost a helper call on every answer's segment). */
 static __always_inline int sse_chunk(struct __sk_buff *skb, u32 poff) {
     u8 *p = (u8 *)(long)skb->data + poff;
-    if (poff > 0xffff || p + 16 > (u8 *)(long)skb->data_end)
+    if (p + 16 > (u8 *)(long)skb->data_end)
         return 0;
     u64 a = *(u64 *)p, b = *(u64 *)(p + 8);
 #pragma unroll

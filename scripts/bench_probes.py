@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -319,7 +319,7 @@ class KernelTime:
 
     run_ns: int = 0
     runs: int = 0
-    floor_ns: int = 0  # the floor program's run time and runs (Floor), when measured
+    floor_ns: int = 0  # the floor program's run time and runs (Floor)
     floor_runs: int = 0
     before: MapSnapshot | None = None
     after: MapSnapshot | None = None
@@ -335,20 +335,20 @@ class KernelTime:
 
 
 @contextmanager
-def kernel_time(probes: ProbeSet, floor: Floor | None = None) -> Iterator[KernelTime]:
-    """BPF statistics on (kernel.bpf_stats_enabled) around the block, and the floor program
-    attached if one is given; the result is filled in when it ends."""
+def kernel_time(probes: ProbeSet, floor: Floor) -> Iterator[KernelTime]:
+    """BPF statistics on (kernel.bpf_stats_enabled) and the floor program attached around
+    the block; the result is filled in when it ends."""
     out = KernelTime()
     stats_before = STATS_SYSCTL.read_text().strip()
     STATS_SYSCTL.write_text("1")
     try:
-        with floor.attached() if floor else nullcontext():
+        with floor.attached():
             out.before = probes.read_maps(with_flows=False)
-            f0 = floor.stats() if floor else (0, 0)
+            f0 = floor.stats()
             s0 = probes.prog_stats()
             yield out
             s1 = probes.prog_stats()
-            f1 = floor.stats() if floor else (0, 0)
+            f1 = floor.stats()
             out.after = probes.read_maps(with_flows=False)
     finally:
         STATS_SYSCTL.write_text(stats_before)
