@@ -122,6 +122,16 @@ def preflight() -> Path:
     return tracefs
 
 
+def run_stats(prog_fd: int) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of a loaded program, from its fdinfo (0 where the kernel
+    shows none: BPF statistics off since it loaded)."""
+    info = {}
+    for line in Path(f"/proc/self/fdinfo/{prog_fd}").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info[key.strip()] = value.strip()
+    return int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0))
+
+
 def kernel_cflags(tracefs: Path) -> list[str]:
     """-D flags for what differs between kernels: the tcp_send_reset record's layout."""
     fmt = (tracefs / "events/tcp/tcp_send_reset/format").read_text()
@@ -284,15 +294,8 @@ class ProbeSet:
         with self._lock:
             if self._bpf is None:
                 return {}
-            out = {}
-            for name, fn in self._bpf.funcs.items():
-                info = {}
-                for line in Path(f"/proc/self/fdinfo/{fn.fd}").read_text().splitlines():
-                    key, _, value = line.partition(":")
-                    info[key.strip()] = value.strip()
-                name = name.decode() if isinstance(name, bytes) else name
-                out[name] = (int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0)))
-            return out
+            return {name.decode() if isinstance(name, bytes) else name: run_stats(fn.fd)
+                    for name, fn in self._bpf.funcs.items()}
 
     def program_fd(self, name: str) -> int:
         """The file descriptor of a loaded program (an entry, lm_tc_eth or lm_tc_raw, or a

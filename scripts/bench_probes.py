@@ -67,6 +67,7 @@ import nettopo  # noqa: E402  (tests/nettopo.py: namespaces that always get clea
 
 from loadmesh.daemon.probes_component import POLL_S  # noqa: E402
 from loadmesh.probes import FingerprintReader, MapSizes, ProbeSet, abi, buckets, tcx  # noqa: E402
+from loadmesh.probes.loader import run_stats  # noqa: E402
 from loadmesh.probes.maps import MapSnapshot  # noqa: E402
 from loadmesh.model_id import model_id  # noqa: E402
 
@@ -106,9 +107,7 @@ class Floor:
 
     def stats(self) -> tuple[int, int]:
         """(run_time_ns, run_cnt), as ProbeSet.prog_stats reads its programs'."""
-        info = dict(line.split(":", 1)
-                    for line in Path(f"/proc/self/fdinfo/{self.fd}").read_text().splitlines())
-        return int(info["run_time_ns"]), int(info["run_cnt"])
+        return run_stats(self.fd)
 
 
 NGINX_CONF = """
