@@ -77,7 +77,7 @@ static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s
             st->events = 0;
             st->out_tokens = 0;
             st->in_tokens = 0;
-            record_flow(c, st->ans_model, status, now - st->ans_start);
+            record_flow(c, st, st->ans_model, status, now - st->ans_start);
             if (h.len && h.has_clen && !h.chunked && at + h.len + h.clen <= c->len) {
                 /* the whole answer is in this segment: end_answer samples its ttfb with
                  * its e2e, the same figure */

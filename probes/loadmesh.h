@@ -164,7 +164,17 @@ struct lm_flow_state {
     __u16 status;
     __u16 aflags;     /* LM_A_* */
     __u8 ans_ep;      /* see ans_model */
-    __u8 pad3[7];
+    __u8 pad3;
+    /* The flow's row of `fingerprints` (the model and status of its latest answers) while
+     * it is only here: added to the map when the model or status changes and when the
+     * connection ends, so a keep-alive connection's run of like answers costs no map
+     * operation each. A dump adds these to the map's rows (probes/maps.py). */
+    __u16 fp_status;
+    __u32 fp_count;
+    __u64 fp_model;
+    __u64 fp_lat_sum;
+    __u64 fp_lat_max;
+    __u64 fp_last; /* like lm_fp_val.last_ns */
 };
 
 struct lm_fp_key {

@@ -259,6 +259,14 @@ class MapReader:
         self._infl_cols = {name: _Column.of(infl.Leaf, name)
                            for name in ("head", "tail", "overflow", "ans_model", "aflags", "ans_ep")}
         self._infl_port = _Column.of(infl.Key, "server_port")
+        self._pending_cols = [_Column.of(infl.Leaf, name) for name in (
+            "fp_count", "fp_lat_sum", "fp_lat_max", "fp_last", "fp_model", "fp_status")]
+        # a row's key as lm_fp_key lays it out: the connection's key, model_id, status
+        self._pending_key = struct.Struct(
+            f"={ctypes.sizeof(infl.Key)}sQH{ctypes.sizeof(fp.Key) - fp.Key.status.offset - 2}x")
+        if (fp.Key.model_id.offset, fp.Key.status.offset) != (ctypes.sizeof(infl.Key),
+                                                             ctypes.sizeof(infl.Key) + 8):
+            raise TypeError("lm_fp_key: not (lm_flow, model_id, status) in that order")
         self._active = abi.const("LM_A_ACTIVE")
         self._streams = abi.const("LM_A_SSE")
         self._first = abi.const("LM_A_FIRST")
@@ -281,20 +289,53 @@ class MapReader:
     def flows(self, since_ns: int = 0) -> FlowTable:
         """The rows last answered at or after since_ns (CLOCK_MONOTONIC), read a thousand
         at a time between GIL releases: at 100,000 rows any one step over all of them
-        holds the GIL for milliseconds."""
+        holds the GIL for milliseconds. A live connection's latest run of like answers is
+        still in its state (lm_flow_state.fp_*), read after the map and added to its row:
+        a run that moves into the map between the two reads is missed by this dump, never
+        counted twice."""
         keys, values, n = self._fp.read()
+        pending = self._pending()
         ks = self._fp.key_size
         split: list[bytes] = []
         columns: list[list[int]] = [[] for _ in self._fp_cols]
         for start in range(0, n, YIELD_EVERY):
             end = min(n, start + YIELD_EVERY)
-            keep = list(map(since_ns.__le__, self._fp_cols[-1].read(values, start, end)))
             raw = keys[start * ks:end * ks].tobytes()
-            split += compress((raw[i:i + ks] for i in range(0, len(raw), ks)), keep)
-            for column, col in zip(columns, self._fp_cols):
-                column += compress(col.read(values, start, end), keep)
+            rows = [raw[i:i + ks] for i in range(0, len(raw), ks)]
+            figures = [col.read(values, start, end) for col in self._fp_cols]
+            if pending:
+                for i in [i for i, key in enumerate(rows) if key in pending]:
+                    _add_row(figures, i, pending.pop(rows[i]))
+            keep = list(map(since_ns.__le__, figures[-1]))
+            split += compress(rows, keep)
+            for column, figure in zip(columns, figures):
+                column += compress(figure, keep)
             pause_point(YIELD_EVERY - 1)
+        for j, (key, figure) in enumerate(pending.items()):
+            if figure[-1] >= since_ns:
+                split.append(key)
+                for column, v in zip(columns, figure):
+                    column.append(v)
+            pause_point(j)
         return FlowTable(split, columns, self._decode_flow)
+
+    def _pending(self) -> dict[bytes, tuple[int, int, int, int]]:
+        """The rows live connections hold in their state, by lm_fp_key: (count,
+        lat_sum_ns, lat_max_ns, last_ns)."""
+        keys, values, n = self._infl.read()
+        ks = self._infl.key_size
+        out: dict[bytes, tuple[int, int, int, int]] = {}
+        for start in range(0, n, YIELD_EVERY):
+            end = min(n, start + YIELD_EVERY)
+            count, lat_sum, lat_max, last, model, status = (
+                col.read(values, start, end) for col in self._pending_cols)
+            for i in compress(range(end - start), count):
+                at = (start + i) * ks
+                key = self._pending_key.pack(keys[at:at + ks].tobytes(), model[i], status[i])
+                out[key] = (count[i], lat_sum[i], lat_max[i], last[i])
+            if end < n:
+                time.sleep(YIELD_S)
+        return out
 
     def _decode_flow(self, raw: bytes) -> FlowKey:
         key = self._flow_keys.get(raw)
@@ -409,6 +450,14 @@ class MapReader:
             counts.setdefault(key, [0, 0])[self._running(flags)] += 1
         for key in queued:
             counts.setdefault(key, [0, 0])[0] += 1
+
+
+def _add_row(figures: list[list[int]], i: int, more: tuple[int, int, int, int]) -> None:
+    """Adds a flow's (count, lat_sum_ns, lat_max_ns, last_ns) to row i of figures."""
+    figures[0][i] += more[0]
+    figures[1][i] += more[1]
+    figures[2][i] = max(figures[2][i], more[2])
+    figures[3][i] = max(figures[3][i], more[3])
 
 
 @dataclass(frozen=True)

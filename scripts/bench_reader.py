@@ -45,6 +45,8 @@ from loadmesh.probes.maps import MapSnapshot, PortStats  # noqa: E402
 
 POLL_S = 0.25
 PORT = 8000
+# answers per flow row in the map, and per connection in its state (fill, fill_inflight)
+ROW_COUNT, PENDING = 5, 2
 
 
 def _write(table: Any, n_rows: int, set_row: Callable[[int, Any, Any], int]) -> int:
@@ -71,14 +73,15 @@ def _connection(flow: Any, i: int) -> None:
 
 def fill(probes: ProbeSet, rows: int) -> None:
     """`rows` flow rows answered just now, written as the probes would (the bench's only
-    use of the loader's private handle)."""
+    use of the loader's private handle). (The map is an LRU hash: made twice that size,
+    so that none is evicted.)"""
     now = time.monotonic_ns()
 
     def row(i: int, k: Any, v: Any) -> int:
         _connection(k.flow, i)
         k.model_id = 1 + i % 3
         k.status = 200
-        v.count, v.lat_sum_ns, v.lat_max_ns, v.last_ns = 5, 5_000_000, 2_000_000, now
+        v.count, v.lat_sum_ns, v.lat_max_ns, v.last_ns = ROW_COUNT, 5_000_000, 2_000_000, now
         return 1
 
     _write(probes._bpf[b"fingerprints"], rows, row)  # noqa: SLF001
@@ -87,8 +90,11 @@ def fill(probes: ProbeSet, rows: int) -> None:
 def fill_inflight(probes: ProbeSet, conns: int) -> int:
     """`conns` connections with requests outstanding, as the probes keep them: by thirds a
     request waiting for its answer, a stream sending tokens, a non-streamed answer begun;
-    one in a hundred with a second request pipelined behind. Returns the requests. (The
-    map is an LRU hash: made twice that size, so that none is evicted.)"""
+    one in a hundred with a second request pipelined behind. Each holds a run of two
+    answers not yet in `fingerprints` (lm_flow_state.fp_*) of the same key as fill()'s row
+    i, which a dump adds to it: the dump's most work. Returns the requests. (The map is an
+    LRU hash: made twice that size, so that none is evicted.)"""
+    now = time.monotonic_ns()
     active, sse, first = (abi.const(f"LM_A_{k}") for k in ("ACTIVE", "SSE", "FIRST"))
     depth = abi.const("LM_PIPE_DEPTH")
     chat = abi.endpoint_names().index("chat")
@@ -102,6 +108,8 @@ def fill_inflight(probes: ProbeSet, conns: int) -> int:
             v.ep[pos % depth] = chat
         v.ans_model, v.ans_ep = 1 + i % 3, chat
         v.aflags = (0, active | sse | first, active)[i % 3]
+        v.fp_model, v.fp_status, v.fp_count = 1 + i % 3, 200, PENDING
+        v.fp_lat_sum, v.fp_lat_max, v.fp_last = 2_000_000, 1_000_000, now
         return v.tail - v.head
 
     return _write(probes._bpf[b"inflight"], conns, row)  # noqa: SLF001
@@ -195,7 +203,7 @@ def main() -> None:
     sys.setswitchinterval(0.001)  # as the agent runs (daemon/cli.py)
     for rows in (10_000, 100_000):
         with nettopo.veth_netns() as topo:
-            probes = ProbeSet([topo.host_if], [PORT], MapSizes(fingerprints=rows, inflight=2 * rows))
+            probes = ProbeSet([topo.host_if], [PORT], MapSizes(fingerprints=2 * rows, inflight=2 * rows))
             probes.start()
             try:
                 fill(probes, rows)
@@ -203,6 +211,9 @@ def main() -> None:
                 counted = sum(sum(f) for f in probes.read_maps(with_flows=False).inflight.values())
                 if counted != requests:
                     raise SystemExit(f"in flight: the reader counted {counted} of {requests}")
+                answers = sum(stats[0] for stats in probes.read_flows(60)[1].values())
+                if answers != rows * (ROW_COUNT + PENDING):
+                    raise SystemExit(f"a dump counted {answers} answers of {rows * (ROW_COUNT + PENDING)}")
                 for ncpu in (here, 64, 224, 256):
                     source = probes if ncpu == here else PerCpuCounters(probes, ncpu)
                     quiet = measure(source, args.seconds, dump=False)
