@@ -263,6 +263,8 @@ def test_the_request_left_waiting_after_an_answer_counts_under_its_model(env: En
 
 
 def test_p99_within_5_percent_of_the_client(env: Env) -> None:
+    """Answers of 100-300 ms: a client thread on this 2-CPU machine, beside the other test
+    workers, can read its clock milliseconds late (seen: 5 ms at a 70 ms median)."""
     model = "p99-model"
     ttfb: list[float] = []
     lock = threading.Lock()
@@ -273,7 +275,7 @@ def test_p99_within_5_percent_of_the_client(env: Env) -> None:
         rng = random.Random(seed)
         client = Client(env.topo.ns_v4)
         for _ in range(25):
-            status, t = client.call(model, delay_ms=rng.randrange(20, 120))
+            status, t = client.call(model, delay_ms=rng.randrange(100, 300))
             assert status == 200
             with lock:
                 ttfb.append(t)
