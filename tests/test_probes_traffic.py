@@ -358,6 +358,29 @@ def test_keep_alive_100_requests_on_one_connection(env: Env) -> None:
     assert rows() == expected
 
 
+def test_a_dump_of_recent_rows_counts_a_row_whole(env: Env) -> None:
+    """A row whose answers are partly in the map (an earlier run of the model, answered
+    before the dump's window) and partly in the connection's state (the run now) is shown
+    whole, with the later time: the window is applied to the row, not to each part."""
+    client = Client(env.topo.ns_v4)
+    port = client.sock.getsockname()[1]
+    try:
+        for model in ("recent-x", "recent-x", "recent-y"):  # the y answer moves x's run
+            assert client.call(model)[0] == 200
+        time.sleep(0.6)  # the map's x row falls out of a 0.5 s window
+        assert client.call("recent-x")[0] == 200  # y's run moves, x runs again
+
+        def rows(idle_s: float) -> dict[tuple[str, int], int]:
+            _, flows = env.probes.read_flows(idle_s)
+            names = env.probes.read_maps(with_flows=False).models
+            return {(names[k[4]], k[5]): v[0] for k, v in flows.items() if k[1] == port}
+
+        assert rows(0.5) == {("recent-x", 200): 3}
+        assert rows(60) == {("recent-x", 200): 3, ("recent-y", 200): 1}
+    finally:
+        client.close()
+
+
 def test_pipelined_requests_each_counted_once(env: Env) -> None:
     counts = Counts(env.probes)
     client = Client(env.topo.ns_v4)
