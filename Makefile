@@ -4,7 +4,7 @@ VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 CONFIG  ?=
 
-.PHONY: setup run test bench bench-probe-steps bench-vllm bench-fleet bench-agent-cpu clean
+.PHONY: setup run test bench bench-probe-steps bench-probes-ab bench-vllm bench-fleet bench-agent-cpu clean
 
 setup:
 	bash scripts/setup.sh
@@ -32,6 +32,12 @@ bench:
 # steady enough to weigh a change to the C probes (seconds, no tools beyond setup).
 bench-probe-steps: setup
 	$(PYTHON) scripts/bench_probe_steps.py
+
+# The probes' kernel time per request under real load, this tree's against BASELINE's (a git
+# revision of the same map layout), attached in turns: `make bench-probes-ab BASELINE=HEAD~1`.
+bench-probes-ab:
+	bash scripts/setup.sh --bench
+	$(PYTHON) scripts/bench_probes_ab.py --baseline $(BASELINE)
 
 # A real vLLM on this CPU, loaded until it queues: loadmesh's figures beside vLLM's own and
 # the clients'. The first run installs vLLM into /var/tmp/loadmesh-vllm (minutes, 3.5 GB).

@@ -178,7 +178,10 @@ class ProbeSet:
     """The probes on a set of interfaces for a set of serving ports."""
 
     def __init__(self, interfaces: Sequence[str], ports: Sequence[int],
-                 sizes: MapSizes = MapSizes(), *, scan_limit: int = 65536) -> None:
+                 sizes: MapSizes = MapSizes(), *, scan_limit: int = 65536,
+                 sources: Path = HERE) -> None:
+        """sources: the directory of the C parts (another tree's, for an A/B of the
+        probes: scripts/bench_probes_ab.py); its maps must keep this reader's layout."""
         if isinstance(interfaces, str):
             raise TypeError("interfaces is a sequence of names, not one string")
         self._interfaces = tuple(dict.fromkeys(interfaces))
@@ -189,6 +192,7 @@ class ProbeSet:
         if not 64 <= scan_limit <= MAX_SCAN_LIMIT:
             raise ValueError(f"scan_limit must be in 64..{MAX_SCAN_LIMIT}")
         self.scan_limit = scan_limit
+        self._sources = sources
         self._lock = threading.Lock()
         self._bpf: Any = None
         self._sched_cls: Any = None
@@ -326,7 +330,7 @@ class ProbeSet:
 
     def _compile(self, bcc: Any, tracefs: Path) -> Any:
         cflags = [
-            f"-I{HERE}",
+            f"-I{self._sources}",
             f"-DLM_INFLIGHT_ENTRIES={self.sizes.inflight}",
             f"-DLM_FP_ENTRIES={self.sizes.fingerprints}",
             f"-DLM_HIST_ENTRIES={self.sizes.histograms}",
@@ -339,7 +343,8 @@ class ProbeSet:
             *kernel_cflags(tracefs),
         ]
         # #line: the compiler's messages name the part and its own line numbers
-        text = "\n".join(f'#line 1 "{name}"\n' + (HERE / name).read_text() for name in SOURCES)
+        text = "\n".join(f'#line 1 "{name}"\n' + (self._sources / name).read_text()
+                         for name in SOURCES)
         try:
             return bcc.BPF(text=text.encode(), cflags=cflags)
         except Exception as exc:

@@ -134,6 +134,22 @@ def test_bpf_refused_by_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
                               "Operation not permitted")
 
 
+def test_sources_from_another_directory(tmp_path: Path) -> None:
+    """ProbeSet(sources=...) compiles that directory's C parts, not the package's (an A/B
+    of two trees: scripts/bench_probes_ab.py)."""
+    for part in loader.HERE.iterdir():
+        if part.suffix in (".c", ".h"):
+            (tmp_path / part.name).write_text(part.read_text())
+    with (tmp_path / "http_entry.bpf.c").open("a") as f:
+        f.write('\n#error "the copy was compiled"\n')
+    probes = ProbeSet(["lo"], [8000], sources=tmp_path)
+    try:
+        with pytest.raises(ProbeUnavailable, match="^BPF program does not compile"):
+            probes.start()
+    finally:
+        probes.stop()
+
+
 def test_failure_half_way_detaches_what_was_attached(topo: nettopo.VethTopo) -> None:
     fds = bpf_prog_fds()
     probes = ProbeSet([topo.host_if, "lmnosuch0"], [8000])
