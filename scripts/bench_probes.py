@@ -74,6 +74,8 @@ from loadmesh.model_id import model_id  # noqa: E402
 PORT = 8080
 SSE_PORT = 8081  # tests/llm_server.py: streamed answers for the cost per event
 UVICORN_PORT = 8082  # (d)
+# wrk's connections, and ten thousand live ones for the reader, with room to spare
+SIZES = MapSizes(inflight=32768, fingerprints=65536)
 TTFB = abi.const("LM_HK_TTFB")
 MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3",
           "Qwen/Qwen2.5-14B-Instruct")
@@ -483,7 +485,6 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     models = ", ".join(f"'{m}'" for m in MODELS)
     # 10,000 connections x 3 models of fingerprint rows
-    sizes = MapSizes(inflight=32768, fingerprints=65536)
     with tempfile.TemporaryDirectory(prefix="lm-bench-") as tmp, \
             nettopo.veth_netns("lmk") as topo:
         d = Path(tmp)
@@ -506,7 +507,7 @@ def main() -> int:
             run_wrk(url, lua, args.conns, 2)  # warm-up
             uvicorn_url = f"http://{topo.ns_v4}:{UVICORN_PORT}/v1/chat/completions"
             run_wrk(uvicorn_url, lua, args.conns, 2)  # warm-up, and up by now
-            probes = ProbeSet([topo.host_if], [PORT, SSE_PORT, UVICORN_PORT], sizes)
+            probes = ProbeSet([topo.host_if], [PORT, SSE_PORT, UVICORN_PORT], SIZES)
             floor = Floor(topo.host_if)
             t = time.perf_counter()
             probes.start()

@@ -30,11 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_probes import MODELS, NGINX_CONF, PORT, WRK_LUA, Floor, cost_phase, run_wrk
+from bench_probes import MODELS, NGINX_CONF, PORT, SIZES, WRK_LUA, Floor, cost_phase, run_wrk
 
 import nettopo  # tests/nettopo.py, on the path that bench_probes sets
 
-from loadmesh.probes import MapSizes, ProbeSet
+from loadmesh.probes import ProbeSet
 from loadmesh.probes.loader import HERE, ProbeUnavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,9 +82,7 @@ def main() -> None:
             sets: dict[str, ProbeSet] = {}
             try:
                 for side in ("A", "B"):
-                    sets[side] = ProbeSet([topo.host_if], [PORT],
-                                          MapSizes(inflight=32768, fingerprints=65536),
-                                          sources=sources[side])
+                    sets[side] = ProbeSet([topo.host_if], [PORT], SIZES, sources=sources[side])
                     try:
                         sets[side].start()
                     except ProbeUnavailable as exc:
