@@ -49,7 +49,8 @@ import enum
 import functools
 import itertools
 import math
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -434,18 +435,12 @@ def wire_score(score: float) -> float:
     return _check(_SCORE, score, "score")  # type: ignore[return-value]
 
 
-def _records(value: object, cls: type, limit: int, name: str) -> tuple[Any, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise SnapshotError(f"LoadSnapshot.{name}: expected a sequence, got {type(value).__name__}")
-    if len(value) > limit:
-        raise SnapshotError(f"LoadSnapshot.{name}: {len(value)} entries, at most {limit}")
-    for item in value:
-        if not isinstance(item, cls):
-            raise SnapshotError(f"LoadSnapshot.{name}: expected {cls.__name__}, got {type(item).__name__}")
-    return tuple(value)
+_ENDPOINT_KEY = operator.attrgetter("host", "port")
+_GPU_KEY = operator.attrgetter("index")
+_MODEL_KEY = operator.attrgetter("model_id", "port")
 
 
-def _unique_sorted(items: tuple[Any, ...], key: Any, name: str) -> tuple[Any, ...]:
+def _unique_sorted(items: Sequence[Any], key: Any, name: str) -> tuple[Any, ...]:
     """Sorted, so that equal content compares and encodes equal; duplicates are refused."""
     ordered = tuple(sorted(items, key=key))
     for a, b in itertools.pairwise(ordered):
@@ -467,19 +462,31 @@ class LoadSnapshot:
     models: tuple[ModelLoad, ...]
 
     def __post_init__(self) -> None:
-        where = "LoadSnapshot"
-        for spec in (_NODE_ID, _VERSION, _TIMESTAMP, _SCORE):
-            object.__setattr__(self, spec.name, _check(spec, getattr(self, spec.name), where))
         if not isinstance(self.state, NodeState):
-            raise SnapshotError(f"{where}.state: expected NodeState, got {type(self.state).__name__}")
+            raise SnapshotError(f"LoadSnapshot.state: expected NodeState, got {type(self.state).__name__}")
         if not isinstance(self.host, HostLoad):
-            raise SnapshotError(f"{where}.host: expected HostLoad, got {type(self.host).__name__}")
-        endpoints = _records(self.endpoints, Endpoint, MAX_ENDPOINTS, "endpoints")
-        gpus = _records(self.gpus, GpuLoad, MAX_GPUS, "gpus")
-        models = _records(self.models, ModelLoad, MAX_MODELS, "models")
-        object.__setattr__(self, "endpoints", _unique_sorted(endpoints, lambda e: (e.host, e.port), "endpoints"))
-        object.__setattr__(self, "gpus", _unique_sorted(gpus, lambda g: g.index, "gpus"))
-        object.__setattr__(self, "models", _unique_sorted(models, lambda m: m.key, "models"))
+            raise SnapshotError(f"LoadSnapshot.host: expected HostLoad, got {type(self.host).__name__}")
+        for name, cls in (("endpoints", Endpoint), ("gpus", GpuLoad), ("models", ModelLoad)):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise SnapshotError(f"LoadSnapshot.{name}: expected a sequence, got {type(value).__name__}")
+            for item in value:
+                if not isinstance(item, cls):
+                    raise SnapshotError(f"LoadSnapshot.{name}: expected {cls.__name__}, got {type(item).__name__}")
+        self._settle()
+
+    def _settle(self) -> None:
+        """Checks the figures and puts the records in their order, in place: its records are
+        of the right classes already (checked by __post_init__, or made by from_wire)."""
+        fields = self.__dict__
+        for spec in (_NODE_ID, _VERSION, _TIMESTAMP, _SCORE):
+            fields[spec.name] = _check(spec, fields[spec.name], "LoadSnapshot")
+        for name, limit, key in (("endpoints", MAX_ENDPOINTS, _ENDPOINT_KEY), ("gpus", MAX_GPUS, _GPU_KEY),
+                                 ("models", MAX_MODELS, _MODEL_KEY)):
+            value = fields[name]
+            if len(value) > limit:
+                raise SnapshotError(f"LoadSnapshot.{name}: {len(value)} entries, at most {limit}")
+            fields[name] = _unique_sorted(value, key, name)
 
 
 def encode(snap: LoadSnapshot) -> bytes:
@@ -526,14 +533,20 @@ def decode(data: bytes) -> LoadSnapshot:
     for key in "egm":
         if not isinstance(top[key], list):
             raise SnapshotError(f"{key!r}: expected array, got {type(top[key]).__name__}")
-    return LoadSnapshot(
+    # Made as the dataclass's __init__ would, less its checks of the records' classes
+    # (from_wire made them): built through __init__, a snapshot took a quarter of its
+    # decoding again (scripts/bench_agent_cpu.py: every node decodes every version).
+    snap: LoadSnapshot = object.__new__(LoadSnapshot)
+    snap.__dict__.update(
         node_id=top["n"],
-        endpoints=tuple(Endpoint.from_wire(e) for e in top["e"]),
+        endpoints=[Endpoint.from_wire(e) for e in top["e"]],
         version=top["v"],
         timestamp_ms=top["t"],
         state=_CODE_STATES[top["s"]],
         score=_SCORE.decoder(top["l"], "LoadSnapshot"),
         host=HostLoad.from_wire(top["h"]),
-        gpus=tuple(GpuLoad.from_wire(g) for g in top["g"]),
-        models=tuple(ModelLoad.from_wire(m) for m in top["m"]),
+        gpus=[GpuLoad.from_wire(g) for g in top["g"]],
+        models=[ModelLoad.from_wire(m) for m in top["m"]],
     )
+    snap._settle()
+    return snap

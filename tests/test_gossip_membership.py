@@ -433,3 +433,35 @@ def test_changes_move_with_what_a_reader_of_the_table_sees() -> None:
         before = table.changes
         step()
         assert (table.changes != before) is expected, i
+
+
+# ("merge", node, version) | ("touch", node) | ("suspect", node) | ("bury", node) | ("sweep",)
+#  | ("read",): a reader's look, which changed_since must answer as a scan of every peer would
+table_ops = st.lists(st.one_of(
+    st.tuples(st.just("merge"), st.sampled_from("abcde"), st.integers(1, 6)),
+    st.tuples(st.sampled_from(["touch", "suspect", "bury"]), st.sampled_from("abcde")),
+    st.tuples(st.sampled_from(["sweep", "read"]))), max_size=60)
+
+
+@given(table_ops)
+def test_changed_since_lists_what_a_scan_of_every_peer_would_in_the_order_of_change(ops: list[tuple]) -> None:
+    table = PeerTable(max_peers=4)
+    now, mark = 0, table.changes
+    for op in ops:
+        now += 100
+        peer = table.get(node_key(op[1])) if len(op) > 1 else None
+        if op[0] == "merge":
+            merge(table, snap(op[1], op[2]), now=now)
+        elif op[0] == "touch" and peer is not None:
+            table.touch(peer, now)
+        elif op[0] == "suspect" and peer is not None:
+            table.suspect(peer, now)
+        elif op[0] == "bury" and peer is not None:
+            table.bury(peer, now)
+        elif op[0] == "sweep":
+            table.sweep(now, 250)
+        elif op[0] == "read":
+            scan = sorted((p for p in table if p.changed > mark), key=lambda p: p.changed)
+            assert table.changed_since(mark) == scan
+            mark = table.changes
+    assert table.changed_since(-1) == sorted(table, key=lambda p: p.changed)

@@ -385,6 +385,24 @@ def test_a_slower_peer_holds_fewer_sessions_and_jitter_moves_none() -> None:
     assert ring_owners({"a": 22, "b": 19, "slow": 37}, 5) == owners
 
 
+def test_a_change_of_the_sessions_ring_is_logged_with_the_points_that_moved(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A ring change moves sessions, each a prefill of its context on its new host: the
+    # operator sees it, and which peer's points moved. Jitter within a step logs nothing.
+    paces = {"a": 20.0, "b": 20.0, "c": 20.0}
+    r = router([figures(p, pace_ms=paces[p]) for p in paces])
+    caplog.set_level("INFO", logger="loadmesh.routing")
+    for v in range(2, 4):
+        r.update([figures(p, pace_ms=paces[p] + v % 2, version=v) for p in paces], NOW)
+    assert not [m for m in caplog.messages if "ring" in m]
+    for v in range(4, 14):
+        r.update([figures(p, pace_ms=40.0 if p == "c" else paces[p], version=v) for p in paces], NOW)
+    # Its steady pace is a median over versions: it crosses the step between in two.
+    changes = [m for m in caplog.messages if "ring" in m]
+    assert changes == [f"sessions' ring of model {model_id(MODEL):016x} changed: 'c' {a} -> {b} points"
+                       for a, b in ((160, 113), (113, 80))], changes
+
+
 def test_versions_with_a_pace_near_zero_move_no_session() -> None:
     # A busy server writing a stream's events in bursts shows token gaps near 0: "slow" at
     # 40 ms showing 0.1 ms for two versions must not look as fast as the others on the ring.

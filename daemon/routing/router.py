@@ -44,6 +44,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from loadmesh.daemon import logs
 from loadmesh.daemon.routing.candidates import (
     Candidate,
     ModelCandidates,
@@ -64,6 +65,8 @@ from loadmesh.model_id import model_id
 
 Outcome = Literal["ok", "error", "timeout"]
 OUTCOMES: frozenset[str] = frozenset({"ok", "error", "timeout"})
+
+log = logs.get("routing")
 
 # Draws per wanted candidate before the fast path gives up and filters exactly.
 _TRIES_PER_PICK = 8
@@ -124,6 +127,15 @@ class NoCandidate:
     # (see counts).
     reason: Reason
     counts: Mapping[str, int]  # peers serving the model, by why each is unusable
+
+
+def _log_ring_change(mid: int, old: Mapping[str, int], new: Mapping[str, int]) -> None:
+    """A change of the sessions' ring moves the sessions of the points that moved, each a
+    prefill of its whole context on its new host: worth a line, with what changed."""
+    moved = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
+    log.info("sessions' ring of model %016x changed: %s", mid,
+             ", ".join(f"{n!r} {old.get(n, 0)} -> {new.get(n, 0)} points" for n in moved[:8])
+             + (f" and {len(moved) - 8} more" if len(moved) > 8 else ""))
 
 
 def spill(peers: Sequence[Candidate], session: str) -> Candidate:
@@ -237,7 +249,12 @@ class Router:
 
     def _build(self, now_ms: int) -> None:
         self._rebuild_by = pace_expiry(self._peers.values(), now_ms)
+        before = self._models
         self._models = build(list(self._peers.values()), self.config, self._static_ids, now_ms)
+        for mid, entry in self._models.items():
+            old = before.get(mid)
+            if old is not None and old.ring != entry.ring:
+                _log_ring_change(mid, old.ring, entry.ring)
         self._fleet_rps = sum(m.rps for p in self._peers.values() if p.alive for m in p.snapshot.models)
         # A ring holds every peer known to serve its model, dead and draining ones too
         # until they are reaped, so that their sessions stay guests where they went
