@@ -44,8 +44,13 @@ one counted at this one's), the host's share is that level times its slots:
   in-flight count is below _DRAINING of what it was at the last step, or below the mark
   (unsmoothed: the smoothed figure would still be rising): the sessions passed on are
   working, and what still counts against the host is the queue they left, which only
-  time drains. Small steps, each given time to show: a step that shows only after the
-  next has been taken overshoots, and every host then passes everything on. A band that
+  time drains. Steps sized by the excess, each given time to show: a step that shows
+  only after the next has been taken overshoots, and every host then passes everything
+  on. At most 0.2 a step, the host holding the fleet bench's busiest session (16% of
+  the requests) stayed at 1.6-2.2 times its share for its first 15 s; at most 0.35 it
+  passes half on 4 s sooner, and passes on more after a peer's loss (of the others'
+  sessions' requests, 3-13% moved after the kill in three runs, 0.5-9% in four before).
+  A band that
   grows from 0 stops for a step at the end of each part that the host may hold
   sessions in (the orphans' where a peer is gone, the guests' where another passes
   sessions on): what they carried leaves before any of its own sessions do. Where it
@@ -113,9 +118,9 @@ GUESTS = 0.1
 ORPHANS = 0.05
 _SMOOTH_MS = 2_000
 _STEP_MS = 2_000
-_GAIN = 0.2
+_GAIN = 0.35
 _MIN_STEP = 0.03
-_MAX_STEP = 0.2
+_MAX_STEP = 0.35
 _DRAINING = 0.95
 _ROOM = 0.1
 _SLACK = 0.5
