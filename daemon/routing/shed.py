@@ -50,9 +50,8 @@ one counted at this one's), the host's share is that level times its slots:
   the requests) stayed at 1.6-2.2 times its share for its first 15 s; at most 0.35 it
   passes half on 4 s sooner, and passes on more after a peer's loss (of the others'
   sessions' requests, 3-13% moved after the kill in three runs, 0.5-9% in four before).
-  A band that
-  grows from 0 stops for a step at the end of each part that the host may hold
-  sessions in (the orphans' where a peer is gone, the guests' where another passes
+  A band that grows from 0 stops for a step at the end of each part that the host may
+  hold sessions in (the orphans' where a peer is gone, the guests' where another passes
   sessions on): what they carried leaves before any of its own sessions do. Where it
   holds none, the step would only lose 2 s. A band whose start has moved on (sessions
   taken back) grows at its start first, down to 0: the guests, and the sessions taken
