@@ -121,6 +121,14 @@ def answer_bytes(victim: RawPeer, data: bytes, to: Addr, peer: bool = False) -> 
     return sum(len(d) for d, src in victim.receive(quiet_s=0.5) if src == to and not (peer and routine(d)))
 
 
+def pulls_other_than(data: bytes, peer: RawPeer, key: int) -> bool:
+    """Whether data is a pull (to `peer`) that names nodes, none of them `key`."""
+    if data[wire.KIND_AT] != Kind.PULL:
+        return False
+    full, short = wire.unpack_wants(wire.open_datagram(data, peer.keyring, 65_535).body)
+    return key not in {k for k, _ in full + short}
+
+
 def test_no_answer_to_an_unproven_source_is_larger_than_what_it_sent(crowded) -> None:
     target, insider, keyed = crowded
     to = target.addr
@@ -167,7 +175,11 @@ def test_a_replayed_datagram_changes_nothing(crowded) -> None:
     # node the agent never saw (a reaped node's last record, resurrected).
     old_seq = (wall_ms() - 31_000) * 1000
     ghost = wire.pack_content([wire.pack_full(0, 0, insider.addr, encode(snapshot("ghost", wall_ms())))], 1400)[0]
-    assert answer_bytes(insider, insider.seal(Kind.CONTENT, ghost, to, seq=old_seq), to, peer=True) == 0
+    insider.send(insider.seal(Kind.CONTENT, ghost, to, seq=old_seq), to)
+    # A pull of what the target wants from the insider since the sync (a RawPeer never
+    # serves one, so the target asks again) may come now too: only one of the ghost counts.
+    assert sum(len(d) for d, src in insider.receive(quiet_s=0.5)
+               if src == to and not routine(d) and not pulls_other_than(d, insider, wire.node_key("ghost"))) == 0
     assert target.counters()["drop_stale"] >= 1
     assert "ghost" not in target.peers()
 
