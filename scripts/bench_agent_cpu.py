@@ -20,7 +20,10 @@ fleet is replayed to one real agent:
    node received at the time it received it. Return routability is the one thing a
    recording cannot hold (the agent's address tokens are its own secret): the replay
    learns each token from the agent's datagrams (a cookie answers the first datagram of
-   each peer) and re-signs what it sends with the echo the agent expects.
+   each peer) and re-signs what it sends with the echo the agent expects. A datagram
+   that the agent answered with a cookie is sent again with the echo, as a real peer
+   does (gossip/cookies.py): lost instead, its content would be pulled and the pulls
+   retried, work that a node of the simulation never did.
 
 The agent reacts as a real node would, but the fleet does not react to it: its pulls and
 probes go unanswered except by what node 0 got in the simulation, so it suspects some
@@ -188,7 +191,11 @@ class Crowd:
 
     def __init__(self, nodes: int, me: int) -> None:
         self.keyring = Keyring([simulator.KEY])
+        self.agent = simulator.node_addr(me)
         self.tokens: dict[Addr, bytes] = {}  # the agent's token for each address
+        # What went out from an address before the agent's token for it was known: sent
+        # again once its cookie brings the token.
+        self.unproven: dict[Addr, list[bytes]] = {}
         self.selector = selectors.DefaultSelector()
         self.socks: dict[Addr, socket.socket] = {}
         for i in range(nodes):
@@ -232,8 +239,10 @@ class Crowd:
                     token = data[TOKEN_AT:TOKEN_AT + 4]
                     if token != bytes(4):
                         self.tokens[key.data] = token
+                    if data[KIND_AT] == Kind.COOKIE:
+                        self.resend(key.data)
 
-    def replay(self, datagrams: list[tuple[float, Addr, bytes]], to: Addr, start: float,
+    def replay(self, datagrams: list[tuple[float, Addr, bytes]], start: float,
                mark_ms: list[float], pid: int) -> list[Mark]:
         """Sends each datagram at start + its time; the marks at start + each of mark_ms."""
         t = self.traffic
@@ -251,13 +260,23 @@ class Crowd:
             due = start + when / 1000
             self._wait_until(due)
             self.late_ms = max(self.late_ms, (time.monotonic() - due) * 1000)
-            out = self.resealed(src, data)
-            with contextlib.suppress(BlockingIOError):
-                self.socks[src].sendto(out, to)
-                t.sent += 1
-                t.sent_bytes += len(out)
+            if src not in self.tokens and data[KIND_AT] != Kind.COOKIE:
+                self.unproven.setdefault(src, []).append(data)
+            self.send(src, self.resealed(src, data))
         mark_until(float("inf"))
         return marks
+
+    def send(self, src: Addr, data: bytes) -> None:
+        t = self.traffic
+        with contextlib.suppress(BlockingIOError):
+            self.socks[src].sendto(data, self.agent)
+            t.sent += 1
+            t.sent_bytes += len(data)
+
+    def resend(self, src: Addr) -> None:
+        """What src sent before it held the agent's token, again with the token's echo."""
+        for data in self.unproven.pop(src, []):
+            self.send(src, self.resealed(src, data))
 
     def _wait_until(self, due: float) -> None:
         while True:
@@ -311,7 +330,7 @@ def run(rec: Recording, work: Path, exe: str) -> Result:
                 with agent(ns, exe, conf, work / "agent.log", WALL_EPOCH_MS / 1000 - LEAD_S) as proc:
                     start = time.monotonic() + LEAD_S
                     wait_for(lambda: answers(sock), LEAD_S, "the agent's API before the replay")
-                    first, last = crowd.replay(rec.datagrams, simulator.node_addr(rec.me), start,
+                    first, last = crowd.replay(rec.datagrams, start,
                                                [rec.warmup_ms, rec.seconds * 1000], proc.pid)
                     if proc.poll() is not None:
                         raise RuntimeError(f"the agent exited ({proc.returncode})")
