@@ -26,8 +26,8 @@ fleet is replayed to one real agent:
    answer nothing, and the pulls retried (36-75 pulls a second, 7.8 since).
 
 The agent reacts as a real node would, but the fleet does not react to it: its pulls and
-probes go unanswered except by what node 0 got in the simulation, so it suspects some
-peers (their refutations are in the recording only where node 0 suspected them too).
+probes go unanswered except by what node N/2 got in the simulation, so it suspects some
+peers (their refutations are in the recording only where node N/2 suspected them too).
 The figures, over the simulation's measurement window (after its warm-up): the agent's
 CPU (user + system, all threads, from /proc), against the same agent with no peers and
 against the simulator's own timing of a node's gossip core; what it received and sent;
