@@ -1,11 +1,11 @@
 """Sessions on a real fleet: three hosts in namespaces (tests/fleet.py), one with half the
 batch of the others, three agents on shipped defaults, 80% load in sessions of Zipf
-popularity entering at every host.
+popularity entering at every host, after a warm-up without sessions (as the fleet bench's).
 
     two agents asked about one session within a second name the same peer; sessions
-    stay on their peer; the small host passes sessions on and carries no more than its
-    share of the slots (with 25% of slack), where the ring alone gives it a third of the
-    sessions (1.67 times its share).
+    stay on their peer; no host holds more than 1.4 times its share of the requests in
+    flight (its share of the slots), where without the bands the host holding the
+    busiest sessions holds twice its share.
 
 scripts/bench_fleet.py --sessions measures the same on five hosts, with a host killed.
 """
@@ -28,8 +28,14 @@ from nettopo import leftovers
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
 
 HOSTS = (Host("a", 8, 20), Host("b", 8, 20), Host("c", 4, 20))
-END = 40.0
-SETTLED = 15.0
+# Traffic without sessions first, so that the agents have learnt each host's batch (c's
+# is half the others') before the first session: until then the ring gives c a third of
+# the sessions, and the ring's change when it learns moves a sixth of them. Without it, in
+# seven runs, 69-78% of a session's requests stayed on its host and c held 0.65-1.28
+# times its share.
+WARMUP = 15.0
+END = WARMUP + 40.0
+SETTLED = WARMUP + 10.0
 LOAD = 0.8
 SESSIONS = 100
 SEED = 5
@@ -37,7 +43,10 @@ SEED = 5
 
 @pytest.fixture(scope="module")
 def run() -> Iterator[tuple[list[dict[str, Any]], list[list[int]]]]:
-    plan = arrivals(LOAD * capacity_rps(HOSTS, SEED), END, SEED, len(HOSTS), SESSIONS)
+    rate = LOAD * capacity_rps(HOSTS, SEED)
+    plan = arrivals(rate, WARMUP, SEED + 3, len(HOSTS)) + [
+        {**a, "t": a["t"] + WARMUP}
+        for a in arrivals(rate, END - WARMUP, SEED, len(HOSTS), SESSIONS)]
     samples: list[tuple[float, list[int]]] = []
     with tempfile.TemporaryDirectory(prefix="lm-sessions-test-") as tmp:
         with fleet(HOSTS, Path(tmp), prefix="lms") as f:
@@ -68,22 +77,28 @@ def test_agents_agree_on_a_sessions_peer_and_it_keeps_it(
         run: tuple[list[dict[str, Any]], list[list[int]]]) -> None:
     rows, _ = run
     assert all(r["status"] == 200 for r in rows), [r for r in rows if r["status"] != 200][:3]
-    _, sticky, agree, pairs = affinity(rows, 0.0, END)
+    _, sticky, agree, pairs = affinity(rows, WARMUP, END)
     assert pairs > 20
     # Measured with sessions that every peer passes on sent by load, as each agent saw
     # it: agreement 0.75-0.94, 0.76 on its peer (the small host passes on some 40% of its
     # sessions in the first seconds); now they spill by the snapshots' free slots, which
     # every agent reads alike. A bound each agent evaluated on its own view agreed 0.59
-    # of the time on five hosts.
+    # of the time on five hosts. After the warm-up, in six runs: agreement 0.88-0.94,
+    # 0.79-0.83 on its peer (0.84-0.91 and 0.69-0.78 in seven runs without it).
     assert agree is not None and agree >= 0.8
     assert sticky >= 0.7
 
 
-def test_the_small_host_carries_no_more_than_its_share_of_the_slots(
+def test_no_host_carries_much_more_than_its_share_of_the_slots(
         run: tuple[list[dict[str, Any]], list[list[int]]]) -> None:
     _, samples = run
     held = [sum(col) for col in zip(*samples, strict=True)]
     slots = sum(h.slots for h in HOSTS)
     occupancy = [n / sum(held) / (h.slots / slots) for n, h in zip(held, HOSTS, strict=True)]
-    # Measured: 0.92, where the ring alone would give it 1.67.
-    assert occupancy[2] <= 1.25, occupancy
+    # A band grows once a host stands above 1 + epsilon times its share by more than
+    # chance explains (routing/shed.py): a share of some 6.4 in flight (8 slots at 80%)
+    # may be held at 1.15 + 0.5 / sqrt(6.4) = 1.35 times for good. Measured after the warm-up, in six
+    # runs: the worst host at 1.17-1.25 (c at 1.13-1.25, which the ring gave a third of
+    # the sessions until it learnt c's batch). With the bands held at 0, in two runs, b
+    # held 1.94 times its share and c 0.38.
+    assert max(occupancy) <= 1.4, occupancy
