@@ -109,6 +109,22 @@ def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
     assert passed((0.0, widths[1])) <= passed((0.0, widths[2]))
 
 
+def test_a_band_grows_by_a_share_of_what_it_keeps_and_never_passes_everything_on() -> None:
+    # 20 in flight on 8 slots, the others at 0.45 a slot, held there for a minute: every
+    # step is as large as steps get, and each passes on at most 0.35 of the coins the
+    # band left. Grown by 0.35 of the whole circle, it reached 1.00 in three steps, and a
+    # host holding the busiest session passed on every session it had (docs/routing.md).
+    shed = Shedding(0.15)
+    widths, now = [0.0], T0
+    for _ in range(30):
+        now = run(shed, 2.0, own=20, fleet=50, start=now, guests=False)
+        widths.append(shed.band(MID)[1])
+    steps = [(a, b) for a, b in zip(widths, widths[1:], strict=False) if b > a]
+    assert len(steps) >= 5
+    assert all(b - a <= 0.35 * (1 - a) + 1e-9 for a, b in steps), steps
+    assert widths[-1] < 1
+
+
 def test_a_host_at_twice_its_share_passes_half_its_sessions_on_within_8_s() -> None:
     # From a cold start, 8 in flight on 8 slots where the others hold 0.44 a slot: 2.2
     # times its share. Steps of at most 0.2 took 10 s to pass half on, and in the fleet
