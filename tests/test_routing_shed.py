@@ -110,7 +110,7 @@ def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
 
 
 def test_a_band_grows_by_a_share_of_what_it_keeps_and_never_passes_everything_on() -> None:
-    # 20 in flight on 8 slots, the others at 0.45 a slot, held there for a minute: every
+    # 20 in flight on 8 slots, the others at 0.42 a slot, held there for a minute: every
     # step is as large as steps get, and each passes on at most 0.35 of the coins the
     # band left. Grown by 0.35 of the whole circle, it reached 1.00 in three steps, and a
     # host holding the busiest session passed on every session it had (docs/routing.md).
