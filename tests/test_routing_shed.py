@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 
@@ -119,7 +120,7 @@ def test_a_band_grows_by_a_share_of_what_it_keeps_and_never_passes_everything_on
     for _ in range(30):
         now = run(shed, 2.0, own=20, fleet=50, start=now, guests=False)
         widths.append(shed.band(MID)[1])
-    steps = [(a, b) for a, b in zip(widths, widths[1:], strict=False) if b > a]
+    steps = [(a, b) for a, b in itertools.pairwise(widths) if b > a]
     assert len(steps) >= 5
     assert all(b - a <= 0.35 * (1 - a) + 1e-9 for a, b in steps), steps
     assert widths[-1] < 1
