@@ -120,18 +120,23 @@ def apply(base: Flat, changes: bytes, crc: int) -> tuple[bytes, Flat]:
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(changes), 1))
     unpacker.feed(changes[size:])
     try:
-        for i in _changed(changes[:size], len(leaves)):
-            value = unpacker.unpack()
-            if _is_int(value):
-                if not _is_int(leaves[i]):
+        changed = _changed(changes[:size], len(leaves))
+        # Every value in one C call; one per changed leaf is checked below. Read one by
+        # one, they took half of an apply (a third of the leaves change each version).
+        values = list(islice(unpacker, len(changed)))
+        if len(values) < len(changed):
+            raise DeltaError(f"{len(changed)} leaves marked, {len(values)} values")
+        if unpacker.tell() != len(changes) - size:
+            raise DeltaError("bytes left after the last change")
+        for i, value in zip(changed, values):
+            if type(value) is int:
+                if type(leaves[i]) is not int:
                     raise DeltaError(f"leaf {i}: a difference for a leaf that is not an integer")
                 leaves[i] += value
-            elif isinstance(value, list) and len(value) == 1 and isinstance(value[0], _SCALARS):
+            elif type(value) is list and len(value) == 1 and isinstance(value[0], _SCALARS):
                 leaves[i] = value[0]
             else:
                 raise DeltaError(f"leaf {i}: neither a difference nor a one-element array")
-        if unpacker.tell() != len(changes) - size:
-            raise DeltaError("bytes left after the last change")
         result: bytes = msgpack.packb(_build(base[0], iter(leaves)), use_bin_type=True)
     except DeltaError:
         raise

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from loadmesh.gossip.snapshot import LoadSnapshot
+from loadmesh.gossip.wire import short_code
 
 Addr = tuple[str, int]
 
@@ -76,6 +77,8 @@ class Peer:
     # The table's `changes` at this peer's last change: a reader that saw the table at
     # changes = g reads again only the peers changed above g (PeerTable.changed_since).
     changed: int = 0
+    # Its code in PeerTable.settled, -1 while it is not there.
+    settled: int = -1
 
     @property
     def size(self) -> int:
@@ -122,6 +125,11 @@ class PeerTable:
         # Alive and suspect peers in a list, for O(1) random sampling of gossip targets.
         self._live: list[int] = []
         self._live_at: dict[int, int] = {}
+        # The short announcement (wire.short_code) of each peer whose content is of the
+        # latest version heard of: an announcement found here is old news with nothing to
+        # pull, and a datagram's are filtered against it in one C call (at 1000 nodes,
+        # some 4,000 a second, nearly all old news).
+        self.settled: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -149,6 +157,7 @@ class PeerTable:
         news = False
         if version > peer.version:
             peer.version = version
+            self._settle(peer)
             news = True
             if not direct:
                 self.refresh(peer, now)
@@ -280,6 +289,7 @@ class PeerTable:
         if peer.version <= peer.snapshot.version:
             return False
         peer.version = peer.snapshot.version
+        self._settle(peer)
         return True
 
     def merge_content(self, key: int, snap: LoadSnapshot, content: bytes, incarnation: int, addr: Addr,
@@ -301,6 +311,7 @@ class PeerTable:
             self.bytes += peer.size
             self._by_state[PeerState.ALIVE][key] = None
             self._add_live(key)
+            self._settle(peer)
             if anchor is not None:
                 self.anchor(peer, anchor)
             self._notify(peer, None, PeerState.ALIVE, now)
@@ -321,6 +332,8 @@ class PeerTable:
             self._changed(peer)
         # Even old content may come with an incarnation that is news.
         self.merge_key(peer, snap.version, incarnation, now, direct)
+        if stored:
+            self._settle(peer)
         return peer if stored else None
 
     # --- forgetting -------------------------------------------------------------------------
@@ -370,8 +383,18 @@ class PeerTable:
             self._live[i] = last
             self._live_at[last] = i
 
+    def _settle(self, peer: Peer) -> None:
+        """Keeps the peer's code in `settled` true to its versions."""
+        code = short_code(peer.key, peer.version) if peer.version == peer.snapshot.version else -1
+        if code != peer.settled:
+            self.settled.discard(peer.settled)
+            if code >= 0:
+                self.settled.add(code)
+            peer.settled = code
+
     def _remove(self, peer: Peer, now: int) -> None:
         del self._peers[peer.key]
+        self.settled.discard(peer.settled)
         self.removals += 1
         self.bytes -= peer.size
         self._release(peer)

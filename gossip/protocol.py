@@ -50,6 +50,7 @@ import os
 import random
 import zlib
 from collections import Counter
+from itertools import filterfalse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -97,6 +98,8 @@ _SUSPECT, _ACCUSED, _DEAD = (status << wire.STATUS_SHIFT for status in (
 # suspicion_max_mult times longer, and one that misses a refutation may declare a live
 # node dead. Both are rare (refutations are a lossy network's), so the bytes are little.
 _VERDICT_REPEATS = 3
+# The node key of a short announcement (wire.short_code), as a C-level callable for map().
+_SHORT_KEY = wire.SHORT_BITS.__rrshift__
 # How many nodes, of all those that hear of a suspicion, probe the suspect at once.
 _CHECKERS = 4
 # How many times a node that only heard of a suspicion probes the suspect itself before
@@ -578,7 +581,7 @@ class GossipCore:
         out: Outgoing = []
         # A version it is ahead by is pulled from it, not from a helper that relayed it.
         src = peer.gossip_addr if peer is not None else addr
-        wants = self._absorb(([(key, version, raw & wire.INCARNATION_MAX)], []), sender, src, now, out)
+        wants = self._absorb(([(key, version, raw & wire.INCARNATION_MAX)], ()), sender, src, now, out)
         if peer is not None and peer.state is not PeerState.ALIVE:
             self.table.touch(peer, now)
         return self._pull(src, wants) + out
@@ -787,8 +790,14 @@ class GossipCore:
         full, short = entries
         known = {k for k, s, i in full
                  if k in queued and (h := held(k)) is not None and unserial(s, h[0]) >= h[0] and i & mask >= h[1]}
-        known.update(k for k, s in short
-                     if k in queued and (h := held(k)) is not None and wire.unserial_short(s, h[0]) >= h[0])
+        if short and queued:
+            # The sender's version is the one held, content and all, for nearly all: those
+            # are found in C (at 300 nodes, a per-entry look here took 5% of a simulation).
+            settled = self.table.settled
+            known.update(queued & set(map(_SHORT_KEY, settled.intersection(short))))
+            known.update(k for x in filterfalse(settled.__contains__, short)
+                         if (k := x >> wire.SHORT_BITS) in queued and (h := held(k)) is not None
+                         and wire.unserial_short(x & 0xFFFF, h[0]) >= h[0])
         return known
 
     def _absorb(self, entries: wire.Entries, sender: int, addr: Addr, now: int,
@@ -852,14 +861,16 @@ class GossipCore:
                 wants.append((k, 0, 0))
         return wants
 
-    def _absorb_short(self, short: list[tuple[int, int]], sender: int, addr: Addr,
+    def _absorb_short(self, short: Sequence[int], sender: int, addr: Addr,
                       now: int) -> list[wire.Want]:
-        """_absorb for short announcements: versions only, the incarnations held stay."""
+        """_absorb for short announcements: versions only, the incarnations held stay.
+        Those of a version held with its content, nearly all, are left in one C call."""
         wants: list[wire.Want] = []
         table, get, own_key, unserial = self.table, self.table.get, self.key, wire.unserial_short
         ceiling = self._ceiling(now)
         want = self.pulls.want
-        for k, s in short:
+        for x in filterfalse(table.settled.__contains__, short):
+            k, s = x >> wire.SHORT_BITS, x & 0xFFFF
             peer = get(k)
             if peer is not None:
                 pv = peer.version
@@ -951,7 +962,8 @@ class GossipCore:
         # absorb below moves the versions held).
         full, short = entries
         behind = [(k, wire.unserial(s, h[0])) for k, s, _ in full if (h := self._held(k)) is not None]
-        behind += [(k, wire.unserial_short(s, h[0])) for k, s in short if (h := self._held(k)) is not None]
+        behind += [(k, wire.unserial_short(x & 0xFFFF, h[0])) for x in short
+                   if (h := self._held(k := x >> wire.SHORT_BITS)) is not None]
         out = self._pull(addr, self._absorb(entries, dg.sender, addr, now, out)) + out
         records = [r for k, v in behind if (r := self._record_for(k, v))]
         out += self._content_to([addr], records)

@@ -168,7 +168,7 @@ class _Simulation:
         self.window_news = 0
         self.last_content: list[bytes | None] = [None] * nodes
         self.max_datagram = 0
-        self.codec = codec = ContentCodec(capacity=max(4096, nodes * 16))
+        self.codec = codec = ContentCodec(capacity=max(4096, nodes * 16), shared=True)
         keyring = Keyring([KEY]) if keyed else None
         self.cores = [
             GossipCore(self.ids[i], self.addrs[i], params, keyring, rng=random.Random(self.rng.getrandbits(64)),

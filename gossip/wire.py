@@ -341,24 +341,33 @@ def pack_entries(entries: list[tuple[int, int, int]]) -> bytes:
     return _entries_struct(len(full), len(short)).pack(len(full), *itertools.chain.from_iterable(full), *short)
 
 
-Entries = tuple[list[tuple[int, int, int]], list[tuple[int, int]]]
+Entries = tuple[list[tuple[int, int, int]], tuple[int, ...]]
+
+
+def short_code(key: int, version: int) -> int:
+    """A short announcement as it is on the wire: node key << 16 | the version's low 16
+    bits. A receiver compares it whole with the codes of the versions it holds
+    (membership.PeerTable.settled): at 1000 nodes a node reads some 4,000 of them a
+    second, nearly all of a version it holds already."""
+    return key << SHORT_BITS | version & 0xFFFF
 
 
 def unpack_entries(body: bytes) -> Entries:
     """The full announcements, (node key, the version's low 32 bits, status << 30 |
-    incarnation) each, and the short ones, (node key, the version's low 16 bits): the
-    receiver reads each version against the one it holds (unserial, unserial_short)."""
+    incarnation) each, and the short ones as they are on the wire (short_code: the key is
+    code >> SHORT_BITS, the version's low 16 bits code & 0xFFFF): the receiver reads each
+    version against the one it holds (unserial, unserial_short)."""
     if not body:
-        return [], []  # a bare contact: asks for the reply flag's answer only
+        return [], ()  # a bare contact: asks for the reply flag's answer only
     full, short = _full_then_short(body, ENTRY, "announcements")
     return [(h << 32 | lo, v, t) for h, lo, v, t in full], short
 
 
 def _full_then_short(body: bytes, full: struct.Struct, what: str) -> tuple[list[tuple[int, ...]],
-                                                                          list[tuple[int, int]]]:
+                                                                          tuple[int, ...]]:
     """The layout announcements and wants share: a u16 count of full items of `full`'s
     size, the full ones, then short ones (u64: node key << 16 | a version's low 16 bits)
-    to the body's end."""
+    to the body's end, as they are (one C call for all of them)."""
     if len(body) < ENTRIES_HEAD.size:
         raise WireError("malformed", f"{what} of {len(body)} bytes")
     (n,) = ENTRIES_HEAD.unpack_from(body)
@@ -366,7 +375,12 @@ def _full_then_short(body: bytes, full: struct.Struct, what: str) -> tuple[list[
     if end > len(body) or (len(body) - end) % SHORT.size:
         raise WireError("malformed", f"{n} full {what} in {len(body)} bytes")
     return (list(full.iter_unpack(body[ENTRIES_HEAD.size:end])),
-            [(x >> SHORT_BITS, x & 0xFFFF) for (x,) in SHORT.iter_unpack(body[end:])])
+            _shorts_struct((len(body) - end) // SHORT.size).unpack_from(body, end))
+
+
+@functools.lru_cache(maxsize=256)
+def _shorts_struct(count: int) -> struct.Struct:
+    return struct.Struct(f"!{count}Q")
 
 
 Want = tuple[int, int, int]  # node key, version held (0: none), version announced
@@ -398,7 +412,7 @@ def unpack_wants(body: bytes) -> tuple[list[tuple[int, int]], list[tuple[int, in
     """The full wants, (node key, version held), and the short ones, (node key, the version
     held's low 16 bits: read it against the version this node holds, unserial_short)."""
     full, short = _full_then_short(body, WANT, "wants")
-    return [(k, have) for k, have in full], short
+    return [(k, have) for k, have in full], [(x >> SHORT_BITS, x & 0xFFFF) for x in short]
 
 
 def pack_gossip(entries: bytes, wants: bytes) -> tuple[bytes, int]:
