@@ -50,9 +50,9 @@ import os
 import random
 import zlib
 from collections import Counter
-from itertools import filterfalse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from itertools import filterfalse
 from typing import Protocol
 
 from loadmesh.gossip import wire
@@ -794,7 +794,7 @@ class GossipCore:
             # The sender's version is the one held, content and all, for nearly all: those
             # are found in C (at 300 nodes, a per-entry look here took 5% of a simulation).
             settled = self.table.settled
-            known.update(queued & set(map(_SHORT_KEY, settled.intersection(short))))
+            known.update(queued & map(_SHORT_KEY, settled.intersection(short)))
             known.update(k for x in filterfalse(settled.__contains__, short)
                          if (k := x >> wire.SHORT_BITS) in queued and (h := held(k)) is not None
                          and wire.unserial_short(x & 0xFFFF, h[0]) >= h[0])
