@@ -314,7 +314,7 @@ def run(rec: Recording, work: Path, exe: str) -> Result:
     key.chmod(0o600)
     conf = agent_config(work, key, rec.me)
     sock = work / "agent.sock"
-    with nettopo.netns("lmcpu") as ns:
+    with nettopo.netns("lmc") as ns:
         batch = "".join(f"address add {simulator.node_addr(i)[0]}/32 dev lo\n" for i in range(rec.nodes))
         subprocess.run(["ip", "-n", ns.name, "-batch", "-"], input=batch, text=True, check=True)
         with inside(ns):
