@@ -17,7 +17,7 @@
 
 from __future__ import annotations
 
-from collections.abc import KeysView
+from collections.abc import Iterable, KeysView
 from itertools import islice
 
 from loadmesh.gossip.wire import ENTRY, INCARNATION_MAX, SHORT, VERSION_ONLY
@@ -35,6 +35,8 @@ class BroadcastQueue:
         # Full entries queued: while there are none (nearly always), take() counts entries
         # instead of weighing each (it runs for every datagram of every round).
         self._fulls = 0
+        # Per short entry, the contacts that have shown they hold its news (heard_known).
+        self._known: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._level_of)
@@ -63,6 +65,28 @@ class BroadcastQueue:
         self._levels[0][key] = (version, tail if full else VERSION_ONLY, limit)
         self._level_of[key] = 0
         self._fulls += full
+        self._known.pop(key, None)
+
+    def heard_known(self, keys: Iterable[int], limit: int) -> None:
+        """A contact holds the queued news of `keys` already: a short entry that `limit`
+        contacts have shown so is dropped (Demers' feedback and counter: a rumour that
+        keeps meeting nodes that know it has reached most of them, and the rest learn it
+        by pull from those). Liveness news (full) always goes its whole limit. At 1000
+        nodes, with 4, a node sends 17% fewer bytes and the convergence p99 is the same
+        (docs/gossip.md, known_stop)."""
+        if not limit:
+            return
+        known, level_of, levels = self._known, self._level_of, self._levels
+        for key in keys:
+            level = level_of.get(key)
+            if level is None or levels[level][key][1] != VERSION_ONLY:
+                continue
+            count = known.get(key, 0) + 1
+            if count < limit:
+                known[key] = count
+                continue
+            del levels[level][key], level_of[key]
+            known.pop(key, None)
 
     def take(self, room: int, first: int | None = None, skip: frozenset[int] | set[int] = frozenset()) -> list[Entry]:
         """Entries to send now, up to `room` bytes of them, `first` ahead of all when
@@ -107,6 +131,7 @@ class BroadcastQueue:
         for level, key, item in moved:
             if level >= item[2]:
                 del level_of[key]
+                self._known.pop(key, None)
                 self._fulls -= item[1] != VERSION_ONLY
                 continue
             if level == len(levels):

@@ -13,6 +13,9 @@ from dataclasses import dataclass, fields
 
 from loadmesh.settings import SettingError, between, check_settings, setting
 
+# The probes' delivery (gossip/probes.py, Delivery) above which nothing is taken as lost.
+_KNOWN_DELIVERY = 0.95
+
 
 @dataclass(frozen=True)
 class GossipParams:
@@ -29,6 +32,9 @@ class GossipParams:
     # retransmit_mult * ceil(log10(N + 1)) times by each node (memberlist's limit), more
     # under loss (retransmit_limit).
     retransmit_mult: int = 3
+    # ... and no more once this many contacts have shown they hold it already (Demers'
+    # feedback and counter; 0: never stopped early), where nothing is lost (known_limit).
+    known_stop: int = 4
     # A round may send a peer several compound datagrams when the queue holds more than
     # one: at 1000 nodes one datagram per peer cannot carry the announcements (docs).
     max_datagrams_per_peer: int = 4
@@ -124,6 +130,15 @@ class GossipParams:
         e**-(the copies that reach it): under loss, as many copies reach it as without."""
         base = self.retransmit_mult * max(1, math.ceil(math.log10(nodes + 1)))
         return math.ceil(base / math.sqrt(min(1.0, max(delivery, 0.25))) - 1e-9)
+
+    def known_limit(self, delivery: float = 1.0) -> int:
+        """After how many contacts that held a version already a node stops announcing
+        it (0: never): known_stop while the probes' round trips all but all complete
+        (`delivery`). Under loss the counter cut no bytes and stretched the convergence
+        tail (100 nodes, 20% loss, 5 killed, seeds 1-3: p99 4.5, 5.2, 3.0 s against 3.6,
+        2.0, 2.4 s, even waiting for five contacts), so there the whole retransmit limit
+        goes, as before."""
+        return self.known_stop if delivery >= _KNOWN_DELIVERY else 0
 
     def suspicion_ms(self, nodes: int) -> tuple[int, int, int]:
         """The shortest and longest time a suspect has to refute in a mesh of `nodes`,

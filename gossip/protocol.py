@@ -193,6 +193,7 @@ class GossipCore:
         self._relay_budget = TokenBucket(params.urgent_relays_per_s, 2 * params.urgent_relays_per_s)
         self._limit_for = -1
         self._limit = 0  # retransmit limit of an announcement, for the mesh's size and loss
+        self._known_limit = 0  # contacts that hold an announced version before it stops (known_limit)
         self.counts: Counter[str] = Counter({name: 0 for name in _BASE_COUNTERS})
         self.pulls = PullTracker(params.pull_timeout_ms, params.pull_retries, params.max_peers)
         # SWIM: this period's probe, the order of the next ones, pings made for others,
@@ -635,6 +636,7 @@ class GossipCore:
         """The retransmit limit for a mesh of `nodes`, at the loss the probes measure now."""
         self._limit_for = nodes
         self._limit = self.params.retransmit_limit(nodes, self.delivery.ratio)
+        self._known_limit = self.params.known_limit(self.delivery.ratio)
 
     def _own_record(self, have: int) -> bytes | None:
         own = self._own
@@ -773,7 +775,10 @@ class GossipCore:
         if size > self._entry_room // 4:
             out = self._pull(addr, wants) + out
             wants, room = [], self._entry_room
-        reply = self.queue.take(room, first=self.key, skip=self._known_to_sender(entries))
+        known = self._known_to_sender(entries)
+        # This node's own news goes its whole limit: it is where the news starts.
+        self.queue.heard_known(known - {self.key}, self._known_limit)
+        reply = self.queue.take(room, first=self.key, skip=known)
         if not reply:
             return self._pull(addr, wants) + out
         body, flags = wire.pack_gossip(wire.pack_entries(reply), wire.pack_wants(wants) if wants else b"")

@@ -215,6 +215,32 @@ def test_queue_takes_fit_their_room_and_send_each_entry_its_limit(ops: list[tupl
     assert len(q) == 0 and all(n == 2 for n in sent.values())
 
 
+def test_queue_stops_a_version_that_enough_contacts_hold_but_never_liveness_news() -> None:
+    q = BroadcastQueue()
+    q.put(1, 10, 0, limit=9)
+    q.put(2, 20, 7 | 1 << wire.STATUS_SHIFT, limit=9, full=True)  # a suspicion
+    q.put(3, 30, 0, limit=9)
+    q.heard_known([1, 2, 4], limit=2)  # 4: nothing queued
+    assert {1, 2, 3} <= set(q.keys())
+    q.put(3, 31, 0, limit=9)  # news again: its count starts over
+    q.heard_known([1, 2, 3], limit=2)
+    assert set(q.keys()) == {2, 3}  # 1 stopped at its second; the suspicion goes its whole limit
+    q.heard_known([3], limit=0)  # 0: never stopped early
+    assert set(q.keys()) == {2, 3}
+    q.heard_known([3], limit=2)
+    assert set(q.keys()) == {2}
+    assert [e[0] for e in q.take(10 * FULL)] == [2]
+    assert [e[0] for e in q.take(10 * FULL)] == [2]
+
+
+def test_the_known_stop_holds_only_where_nothing_is_lost() -> None:
+    params = GossipParams()
+    assert params.known_limit(1.0) == params.known_stop == 4
+    assert params.known_limit(0.96) == 4
+    assert params.known_limit(0.9) == 0  # some loss: the whole retransmit limit goes
+    assert GossipParams(known_stop=0).known_limit(1.0) == 0
+
+
 def test_queue_puts_first_ahead_and_skips_what_the_receiver_has() -> None:
     q = BroadcastQueue()
     for key in range(5):
