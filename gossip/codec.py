@@ -82,14 +82,11 @@ class ContentCodec:
 
     def apply(self, base: bytes, changes: bytes, crc: int) -> bytes:
         """The encoding a delta makes of base; DeltaError when it does not apply."""
-        if not self.shared:
-            result, flat = delta.apply(self._flatten(base), changes, crc)
-            self._flat.put(result, flat)  # the base of the peer's next delta
-            return result
         key = (base, changes, crc)
-        result = self._applied.get(key)
+        result = self._applied.get(key) if self.shared else None
         if result is None:
             result, flat = delta.apply(self._flatten(base), changes, crc)
-            self._applied.put(key, result)
+            if self.shared:
+                self._applied.put(key, result)
             self._flat.put(result, flat)  # the base of the peer's next delta
         return result
