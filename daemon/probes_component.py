@@ -57,7 +57,7 @@ class ProbesComponent:
             return
         c = self.config
         sizes = MapSizes(inflight=c.max_connections, fingerprints=c.max_fingerprints,
-                         histograms=c.max_histogram_buckets, models=c.max_models)
+                         rows=c.max_model_rows, models=c.max_models)
         probes = ProbeSet(c.interfaces, c.ports, sizes, scan_limit=c.scan_limit)
         try:
             await asyncio.to_thread(probes.start)

@@ -30,9 +30,9 @@
 #include "loadmesh.h"
 #include "http_parse.h"
 
-#if !defined(LM_INFLIGHT_ENTRIES) || !defined(LM_FP_ENTRIES) || !defined(LM_HIST_ENTRIES) || \
-    !defined(LM_MODEL_ENTRIES) || !defined(LM_PORT_ENTRIES) || !defined(LM_SCAN_LIMIT) ||   \
-    !defined(LM_HIST_SUB_BITS) || !defined(LM_HIST_MAX_EXP) || !defined(LM_REQ_ENTRIES)
+#if !defined(LM_INFLIGHT_ENTRIES) || !defined(LM_FP_ENTRIES) || !defined(LM_ROWS) ||      \
+    !defined(LM_MODEL_ENTRIES) || !defined(LM_PORT_ENTRIES) || !defined(LM_SCAN_LIMIT) || \
+    !defined(LM_HIST_SUB_BITS) || !defined(LM_HIST_MAX_EXP) || !defined(LM_HIST_BUCKETS)
 #error "probes/loader.py passes map sizes, the scan limit and the histogram layout with -D"
 #endif
 
@@ -74,15 +74,26 @@ BPF_TABLE("lru_hash", struct lm_flow, struct lm_flow_state, inflight, LM_INFLIGH
  * them; it is read only for a dump (`loadmesh dump`). */
 BPF_TABLE("lru_hash", struct lm_fp_key, struct lm_fp_val, fingerprints, LM_FP_ENTRIES);
 
-/* Latency histograms per model, serving port, endpoint, status and kind: only touched
- * buckets exist, so the size bounds what is in use (a model's latencies span a few powers
- * of two). One copy for all CPUs, counted with atomic adds: its size does not grow with the
- * CPUs, and user space reads it four times a second. Preallocated, as fingerprints. */
-BPF_F_TABLE("hash", struct lm_hist_key, u64, histograms, LM_HIST_ENTRIES, 0);
+/* The model figures, one row per model, serving port, endpoint and status: outcomes,
+ * usage and a latency histogram of each kind (struct lm_row). An answer resolves its row
+ * once, at its head (row_index), and keeps the index in its connection's state, so its
+ * samples and its end are array accesses the JIT inlines, not hash lookups (each of which
+ * cost about 60 ns a request on wrk's traffic, cold caches and all: docs/probes.md).
+ * One copy for all CPUs, counted with atomic adds: its size does not grow with the CPUs,
+ * and user space reads it four times a second. A new row takes its index from
+ * `free_rows`, which the loader fills with every index: no two CPUs get one index, and
+ * none is lost when two make the same row at once (the slower puts its index back).
+ * Rows are never freed (counters are cumulative). */
+BPF_F_TABLE("hash", struct lm_row_key, u32, rows, LM_ROWS, 0);
+BPF_ARRAY(row_data, struct lm_row, LM_ROWS);
+BPF_QUEUE(free_rows, u32, LM_ROWS);
 
-/* Per model, port and endpoint: outcomes and usage tokens of ended requests (atomic adds,
- * one copy for all CPUs, as histograms). Bounded by models x ports x endpoints. */
-BPF_F_TABLE("hash", struct lm_req_key, struct lm_req_stats, requests, LM_REQ_ENTRIES, 0);
+/* Rows this CPU resolved lately, direct-mapped by the key's bits: spares the `rows` lookup
+ * at an answer's head, nearly always (a host serves a few models, endpoints and statuses).
+ * A collision only costs that lookup. */
+#define ROW_SLOT_BITS 6
+#define ROW_SLOTS (1 << ROW_SLOT_BITS)
+BPF_PERCPU_ARRAY(row_cache, struct lm_row_slot, ROW_SLOTS);
 
 /* model_id -> name, written once per model; bounded by the models a host serves. */
 BPF_HASH(models, u64, struct lm_model_name, LM_MODEL_ENTRIES);

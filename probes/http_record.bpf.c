@@ -1,5 +1,5 @@
-/* Part of the HTTP probe (http.bpf.c): what a request leaves in the maps. Its latency
- * samples (histogram buckets), the flow's row, the per-model outcome and usage counters,
+/* Part of the HTTP probe (http.bpf.c): what a request leaves in the maps. The row of the
+ * model figures its answer counts in (outcome, usage, latency samples), the flow's row,
  * the connection's queue of outstanding requests and how it ends. Every step program ends
  * in dispatch(), which is here too. */
 
@@ -23,24 +23,60 @@ static __always_inline u32 lm_bucket(u64 v) {
     return ((shift + 1) << LM_HIST_SUB_BITS) + (u32)((v >> shift) - (1ULL << LM_HIST_SUB_BITS));
 }
 
+/* ---- rows of the model figures ---- */
+
+/* A new row for k, as its index + 1; 0 when every index is taken. */
+static __always_inline u32 new_row(struct lm_row_key *k) {
+    u32 row;
+    if (free_rows.pop(&row) != 0)
+        return 0;
+    if (rows.insert(k, &row) != 0)
+        free_rows.push(&row, 0); /* another CPU made the row meanwhile */
+    u32 *r = rows.lookup(k);
+    return r ? *r + 1 : 0;
+}
+
+/* The row of a model, serving port, endpoint and status, as its index + 1; 0 when the rows
+ * are full (counted). */
+static __always_inline u32 row_index(u64 model, u16 port, u8 ep, u16 status) {
+    struct lm_row_key k = {.model_id = model, .port = port, .status = status, .endpoint = ep};
+    u64 tag = *(u64 *)&k.port; /* port, status, endpoint and the zero pad in one word */
+    u32 slot = ((model ^ tag) * 0x9E3779B97F4A7C15ULL) >> (64 - ROW_SLOT_BITS);
+    struct lm_row_slot *cs = row_cache.lookup(&slot);
+    if (cs && cs->row && cs->key.model_id == model && *(u64 *)&cs->key.port == tag)
+        return cs->row;
+    u32 *r = rows.lookup(&k);
+    u32 row = r ? *r + 1 : new_row(&k);
+    if (!row) {
+        err(LM_ERR_ROWS_FULL);
+        return 0;
+    }
+    if (cs) {
+        __builtin_memcpy(&cs->key, &k, sizeof(k));
+        cs->row = row;
+    }
+    return row;
+}
+
+/* The row an index + 1 names; 0 for none. */
+static __always_inline struct lm_row *row_at(u32 row) {
+    if (!row)
+        return 0;
+    u32 i = row - 1;
+    return row_data.lookup(&i);
+}
+
 /* n samples of latency lat (ns) of one kind for the answer being sent. */
 static __always_inline void sample(struct lm_ctx *c, struct lm_flow_state *st, u8 kind,
                                    u64 lat, u64 n) {
+    struct lm_row *r = row_at(st->ans_row);
+    if (!r)
+        return; /* rows_full, counted at its head */
     /* through the scratch: lm_bucket's 64 paths leave one state behind */
     c->cur = lm_bucket(lat);
-    struct lm_hist_key hk = {.model_id = st->ans_model, .status = st->status,
-                             .bucket = LOAD(c->cur), .port = c->flow.server_port,
-                             .kind = kind, .endpoint = st->ans_ep};
-    u64 *hv = histograms.lookup(&hk);
-    if (!hv) {
-        u64 zero = 0;
-        histograms.update(&hk, &zero);
-        hv = histograms.lookup(&hk);
-    }
-    if (hv)
-        __sync_fetch_and_add(hv, n);
-    else
-        err(LM_ERR_HIST_FULL);
+    u32 i = LOAD(c->cur) * LM_HK_COUNT + kind;
+    if (i < LM_HIST_BUCKETS * LM_HK_COUNT)
+        __sync_fetch_and_add(&r->hist[i], n);
 }
 
 /* Adds the flow's row kept in its state (lm_flow_state.fp_*) to `fingerprints`. */
@@ -96,24 +132,11 @@ static __always_inline void record_flow(struct lm_ctx *c, struct lm_flow_state *
     st->fp_last = c->now;
 }
 
-static __always_inline struct lm_req_stats *req_stats(u64 model, u16 port, u8 ep) {
-    struct lm_req_key k = {.model_id = model, .port = port, .endpoint = ep};
-    struct lm_req_stats *v = requests.lookup(&k);
-    if (!v) {
-        struct lm_req_stats zero = {};
-        requests.update(&k, &zero);
-        v = requests.lookup(&k);
-        if (!v)
-            err(LM_ERR_REQUESTS_FULL);
-    }
-    return v;
-}
-
 /* A request that ended with no answer begun: it has no latency, only an outcome. */
 static __always_inline void count_ended(u64 model, u16 port, u8 ep, u32 outcome, u64 n) {
-    struct lm_req_stats *v = req_stats(model, port, ep);
-    if (v)
-        __sync_fetch_and_add(&v->outcomes[outcome % LM_OUT_COUNT], n);
+    struct lm_row *r = row_at(row_index(model, port, ep, 0));
+    if (r)
+        __sync_fetch_and_add(&r->req.outcomes[outcome % LM_OUT_COUNT], n);
 }
 
 /* ---- the request queue of a connection ---- */
@@ -148,21 +171,13 @@ static __always_inline void end_answer(struct lm_ctx *c, struct lm_flow_state *s
     if (!(st->aflags & LM_A_ACTIVE))
         return;
     u64 e2e = timed ? seg_time(c) - st->ans_start : 0;
-    u8 kind = LM_HK_E2E;
-    if (st->aflags & LM_A_TTFB) {
-        /* resp_head put the ttfb off (event_ns: the head's time): one sample for both
-         * when the answer ended at that same instant */
-        if (timed && c->now == st->event_ns)
-            kind = LM_HIST_TTFB_E2E;
-        else
-            sample(c, st, LM_HK_TTFB, st->event_ns - st->ans_start, 1);
-    }
     if (timed)
-        sample(c, st, kind, e2e, 1);
+        sample(c, st, LM_HK_E2E, e2e, 1);
     if ((st->aflags & LM_A_ERROR) && outcome == LM_OUT_COMPLETE)
         outcome = LM_OUT_ERROR;
-    struct lm_req_stats *v = req_stats(st->ans_model, c->flow.server_port, st->ans_ep);
-    if (v) {
+    struct lm_row *r = row_at(st->ans_row);
+    if (r) {
+        struct lm_req_stats *v = &r->req;
         __sync_fetch_and_add(&v->outcomes[outcome % LM_OUT_COUNT], 1);
         if (st->aflags & LM_A_USAGE) {
             __sync_fetch_and_add(&v->usage_answers, 1);

@@ -77,15 +77,9 @@ static __always_inline int resp_head(struct __sk_buff *skb, struct lm_scratch *s
             st->events = 0;
             st->out_tokens = 0;
             st->in_tokens = 0;
+            st->ans_row = row_index(st->ans_model, c->flow.server_port, st->ans_ep, status);
             record_flow(c, st, st->ans_model, status, now - st->ans_start);
-            if (h.len && h.has_clen && !h.chunked && at + h.len + h.clen <= c->len) {
-                /* the whole answer is in this segment: end_answer samples its ttfb with
-                 * its e2e, the same figure */
-                st->aflags |= LM_A_TTFB;
-                st->event_ns = now;
-            } else {
-                sample(c, st, LM_HK_TTFB, now - st->ans_start, 1);
-            }
+            sample(c, st, LM_HK_TTFB, now - st->ans_start, 1);
         }
     }
     if (status == 101) {

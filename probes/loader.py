@@ -65,8 +65,7 @@ class MapSizes:
 
     inflight: int = 16384  # live connections to serving ports
     fingerprints: int = 16384  # flow x model x status rows, least recently answered evicted
-    histograms: int = 16384  # model x port x endpoint x status x kind x latency bucket in use
-    requests: int = 1024  # model x port x endpoint
+    rows: int = 512  # model x port x endpoint x status rows of figures (19 KB each)
     models: int = 1024  # distinct model names
     ports: int = 64  # serving ports (per-port TCP stats)
 
@@ -325,6 +324,9 @@ class ProbeSet:
             steps[ctypes.c_int(i)] = ctypes.c_int(self._progs[name].fd)
         self._written = {}
         self._write_ports()
+        free_rows = self._bpf[b"free_rows"]
+        for i in range(self.sizes.rows):
+            free_rows.push(ctypes.c_uint32(i))
         self._reader = MapReader(self._bpf, lib)
         self._attach_all()
 
@@ -333,13 +335,13 @@ class ProbeSet:
             f"-I{self._sources}",
             f"-DLM_INFLIGHT_ENTRIES={self.sizes.inflight}",
             f"-DLM_FP_ENTRIES={self.sizes.fingerprints}",
-            f"-DLM_HIST_ENTRIES={self.sizes.histograms}",
-            f"-DLM_REQ_ENTRIES={self.sizes.requests}",
+            f"-DLM_ROWS={self.sizes.rows}",
             f"-DLM_MODEL_ENTRIES={self.sizes.models}",
             f"-DLM_PORT_ENTRIES={self.sizes.ports}",
             f"-DLM_SCAN_LIMIT={self.scan_limit}",
             f"-DLM_HIST_SUB_BITS={buckets.SUB_BITS}",
             f"-DLM_HIST_MAX_EXP={buckets.MAX_EXP}",
+            f"-DLM_HIST_BUCKETS={buckets.N_BUCKETS}",
             *kernel_cflags(tracefs),
         ]
         # #line: the compiler's messages name the part and its own line numbers

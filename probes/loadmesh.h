@@ -48,17 +48,13 @@
 #define LM_EP_GENERATE 5    /* /generate, /generate_stream (TGI's and SGLang's own API) */
 #define LM_EP_COUNT 6
 
-/* Histogram kinds (lm_hist_key.kind): what the latency measures, from the request's
+/* Histogram kinds (lm_row.hist's first index): what the latency measures, from the request's
  * first byte on the wire. */
 #define LM_HK_TTFB 0 /* to the answer's first byte */
 #define LM_HK_TTFT 1 /* to a stream's first SSE data: event */
 #define LM_HK_ITL 2  /* between consecutive data: events of a stream */
 #define LM_HK_E2E 3  /* to the answer's last byte */
 #define LM_HK_COUNT 4
-/* lm_hist_key.kind of one sample that counts for both LM_HK_TTFB and LM_HK_E2E: an answer
- * whose first and last bytes pass in one segment has one latency, recorded with one map
- * update where two would be. probes/maps.py splits it back into the two kinds. */
-#define LM_HIST_TTFB_E2E 4
 
 /* How a request ended (lm_req_stats.outcomes). */
 #define LM_OUT_COMPLETE 0   /* its answer ended where its framing said */
@@ -70,7 +66,7 @@
 
 /* Indexes of the `errors` per-CPU array: what went wrong, counted, never silent. */
 #define LM_ERR_FP_FULL 0          /* a fingerprints row could be neither made nor found */
-#define LM_ERR_HIST_FULL 1        /* histograms map full: a latency sample was dropped */
+#define LM_ERR_ROWS_FULL 1        /* row_data full: a new row's samples and outcomes are dropped */
 #define LM_ERR_MODELS_FULL 2      /* models map full: a model's name is not shown */
 #define LM_ERR_SCAN_GAVE_UP 3     /* a body longer than the scan limits held no "model" in them */
 #define LM_ERR_MODEL_TOO_LONG 4   /* "model" value longer than LM_NAME_MAX */
@@ -78,10 +74,9 @@
 #define LM_ERR_RESP_NO_REQ 6      /* response with no request waiting for it */
 #define LM_ERR_PIPE_OVERFLOW 7    /* request beyond LM_PIPE_DEPTH outstanding */
 #define LM_ERR_FRAMING_LOST 8     /* expected a head where the framing pointed, found none */
-#define LM_ERR_REQUESTS_FULL 9    /* requests map full: an ended request was not counted */
-#define LM_ERR_STEPS_EXHAUSTED 10 /* segment needed more than LM_MAX_STEPS steps */
-#define LM_ERR_EVENT_CUT 11       /* a data: event cut by a segment end: taken as a token */
-#define LM_ERR_COUNT 12
+#define LM_ERR_STEPS_EXHAUSTED 9  /* segment needed more than LM_MAX_STEPS steps */
+#define LM_ERR_EVENT_CUT 10       /* a data: event cut by a segment end: taken as a token */
+#define LM_ERR_COUNT 11
 
 /* lm_flow_state.flags */
 #define LM_F_REQ_FRAMED 1    /* req_next is where the next request head starts */
@@ -106,7 +101,6 @@
 #define LM_A_JSON 64   /* Content-Type: application/json: its tail may hold "usage" */
 #define LM_A_CARRY 128 /* sse_carry holds the last 7 bytes searched for "\ndata:" */
 #define LM_A_DONE 256  /* data: [DONE] passed */
-#define LM_A_TTFB 512  /* its ttfb sample is put off to its end, due in the head's segment */
 
 /* A TCP connection as seen from the server: IPv4 addresses are stored IPv4-mapped
  * (::ffff:a.b.c.d) so both families share one key. Ports in host byte order. Aligned to 8
@@ -161,6 +155,7 @@ struct lm_flow_state {
     __u32 events;     /* its data: events, [DONE] and errors left out */
     __u32 out_tokens; /* usage: completion_tokens (or output_tokens) */
     __u32 in_tokens;  /* usage: prompt_tokens (or input_tokens) */
+    __u32 ans_row;    /* its row in row_data + 1, from its head on; 0: no row (rows full) */
     __u16 status;
     __u16 aflags;     /* LM_A_* */
     __u8 ans_ep;      /* see ans_model */
@@ -191,27 +186,21 @@ struct lm_fp_val {
     __u64 last_ns; /* bpf_ktime_get_ns() of the last response (CLOCK_MONOTONIC) */
 };
 
-struct lm_hist_key {
-    __u64 model_id;
-    __u16 status;
-    __u16 bucket;  /* log-linear bucket of the latency in ns, see probes/buckets.py */
-    __u16 port;    /* serving port: one host may serve a model on several */
-    __u8 kind;     /* LM_HK_* */
-    __u8 endpoint; /* LM_EP_* */
-};
-
-/* Per model, serving port and endpoint: how requests ended and the tokens their usage
- * objects reported. Output tokens of streams without usage come from their data: events
- * (the TTFT and ITL samples); usage_events says how many of those the usage replaces.
- * e2e_ns and e2e_tokens give, over the answers whose end was seen, the time a request
- * spends in the server per output token: the same figure whether it streamed or not. */
-struct lm_req_key {
+/* A row of the model figures: model, serving port (one host may serve a model on several),
+ * endpoint and status. `rows` gives its index in `row_data`. */
+struct lm_row_key {
     __u64 model_id;
     __u16 port;
-    __u8 endpoint;
-    __u8 pad[5];
+    __u16 status;  /* of the answer; 0 for requests that ended before an answer began */
+    __u8 endpoint; /* LM_EP_* */
+    __u8 pad[3];
 };
 
+/* How a row's requests ended and the tokens their usage objects reported. Output tokens
+ * of streams without usage come from their data: events (the TTFT and ITL samples);
+ * usage_events says how many of those the usage replaces. e2e_ns and e2e_tokens give, over
+ * the answers whose end was seen, the time a request spends in the server per output
+ * token: the same figure whether it streamed or not. */
 struct lm_req_stats {
     __u64 outcomes[LM_OUT_COUNT];
     __u64 usage_answers; /* answers whose usage gave their output tokens */
@@ -220,6 +209,25 @@ struct lm_req_stats {
     __u64 prompt_tokens; /* from usage */
     __u64 e2e_ns;        /* request's first byte to answer's last, over the answers timed so */
     __u64 e2e_tokens;    /* their output tokens (usage, else data: events) */
+};
+
+/* Value of `row_data`: a row's outcomes and usage, and its latency histograms, one per
+ * kind (LM_HK_*), in log-linear buckets of ns (probes/buckets.py; LM_HIST_BUCKETS comes
+ * from the loader with the layout's other figures). The kinds interleave, bucket by
+ * bucket (hist[bucket * LM_HK_COUNT + kind]): an answer's ttfb and e2e, nearly always in
+ * one bucket, are then added in one cache line. One dimension: BCC's ctypes of a
+ * two-dimensional array keep only the first. */
+struct lm_row {
+    struct lm_req_stats req;
+    __u64 hist[LM_HIST_BUCKETS * LM_HK_COUNT];
+};
+
+/* An entry of `row_cache`: a row key this CPU has resolved lately, and its index + 1
+ * (0: empty). */
+struct lm_row_slot {
+    struct lm_row_key key;
+    __u32 row;
+    __u32 pad;
 };
 
 struct lm_model_name {

@@ -25,11 +25,11 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import compress, repeat
-from operator import and_, itemgetter, not_, or_, sub, truth, xor
+from itertools import chain, compress, repeat
+from operator import add, and_, itemgetter, not_, or_, sub, truth, xor
 from typing import Any, NamedTuple
 
-from . import abi
+from . import abi, buckets
 
 _V4_MAPPED = bytes(10) + b"\xff\xff"
 # Entries handled between two GIL releases (about a millisecond of work), and how long to
@@ -42,6 +42,8 @@ YIELD_S = 0.0005
 # (CONFIG_PREEMPT_NONE, the default of server kernels): a thread woken on that CPU, the
 # event loop's, waits for it to end. 4096 entries take about 1.5 ms.
 BATCH_STEP = 4096
+# Bytes of a row's histograms (row_data) decoded as one: 16 buckets of the 4 kinds.
+HIST_BLOCK = 512
 # Connections whose in-flight figures are counted between two GIL releases: the longest
 # C loop then holds the GIL well under a millisecond.
 INFLIGHT_STEP = 4096
@@ -179,23 +181,37 @@ def ip_bytes(address: str) -> bytes:
 
 
 class _Batch:
-    """BPF_MAP_LOOKUP_BATCH over a whole map into buffers kept between reads."""
+    """BPF_MAP_LOOKUP_BATCH over a map into buffers kept between reads. The buffers grow to
+    what a read asks for, up to the map's size: an array map read from its start (row_data:
+    19 KB an entry) costs memory for the entries in use, not for all it could hold."""
 
-    def __init__(self, lib: Any, fd: int, key_size: int, value_size: int, capacity: int):
+    def __init__(self, lib: Any, fd: int, key_size: int, value_size: int, capacity: int,
+                 *, grow: bool = False):
         self._lib = lib
         self.fd = fd
         self.key_size = key_size
         self.value_size = value_size
         self._capacity = capacity
-        self._keys = ctypes.create_string_buffer(key_size * capacity)
-        self._values = ctypes.create_string_buffer(value_size * capacity)
+        self._size = 0
+        self._keys = self._values = ctypes.create_string_buffer(0)
+        if not grow:
+            self._reserve(capacity)
 
-    def read(self) -> tuple[memoryview, memoryview, int]:
+    def _reserve(self, entries: int) -> None:
+        if entries > self._size:
+            self._size = min(self._capacity, max(entries, 2 * self._size))
+            self._keys = ctypes.create_string_buffer(self.key_size * self._size)
+            self._values = ctypes.create_string_buffer(self.value_size * self._size)
+
+    def read(self, limit: int | None = None) -> tuple[memoryview, memoryview, int]:
+        """The map's first `limit` entries (all when None)."""
+        want = self._capacity if limit is None else min(limit, self._capacity)
+        self._reserve(want)
         token = ctypes.c_uint32(0)
         count = ctypes.c_uint32(0)
         total = 0
-        while total < self._capacity:
-            count.value = min(self._capacity - total, BATCH_STEP)
+        while total < want:
+            count.value = min(want - total, BATCH_STEP)
             rc = self._lib.bpf_lookup_batch(
                 self.fd,
                 ctypes.byref(token) if total else None,
@@ -215,6 +231,90 @@ class _Batch:
         keys = memoryview(self._keys)[: total * self.key_size]
         values = memoryview(self._values)[: total * self.value_size]
         return keys, values, total
+
+
+_Samples = list[tuple[HistKey, int]]
+_Row = tuple[bytes, _Samples, list[_Samples], tuple[int, ...]]
+
+
+class _Rows:
+    """The model figures: `rows` names each row (model, port, endpoint, status) by its index
+    in `row_data`, whose entries hold the row's outcomes, usage and histograms (lm_row).
+    Both are read whole each poll, row_data from its start to the highest index in use.
+    A row's histograms are decoded in blocks of HIST_BLOCK bytes (16 buckets, a power of
+    two of latencies, of the four kinds), and a block only when it changed since the last
+    poll: a latency's samples span a few of the 37 blocks, and most polls change a few
+    buckets of a few rows."""
+
+    def __init__(self, lib: Any, rows: Any, data: Any):
+        self._key = abi.codec(rows.Key)
+        self._pick = itemgetter(*(self._key.index(f)
+                                  for f in ("model_id", "port", "endpoint", "status")))
+        self._index = _Batch(lib, rows.map_fd, ctypes.sizeof(rows.Key), 4, rows.max_entries)
+        self._data = _Batch(lib, data.map_fd, 4, ctypes.sizeof(data.Leaf), data.max_entries,
+                            grow=True)
+        leaf = data.Leaf
+        types = {name: ctype for name, ctype, *_ in leaf._fields_}
+        req = abi.codec(types["req"])
+        if len(req.fields) != len(RequestStats._fields):
+            raise TypeError("lm_req_stats: RequestStats does not match its fields")
+        self._req = req.struct
+        self._req_at = leaf.req.offset
+        self._kinds = abi.const("LM_HK_COUNT")
+        hist_bytes = ctypes.sizeof(types["hist"])
+        if hist_bytes != 8 * self._kinds * buckets.N_BUCKETS or hist_bytes % HIST_BLOCK:
+            raise TypeError("lm_row.hist: not LM_HK_COUNT histograms of buckets.N_BUCKETS")
+        self._blocks = [(at, at + HIST_BLOCK) for at in range(
+            leaf.hist.offset, leaf.hist.offset + hist_bytes, HIST_BLOCK)]
+        self._row_bytes = ctypes.sizeof(leaf)
+        self._zero_row = bytes(self._row_bytes)
+        # index -> its bytes at the last poll, its samples, the same by block, its
+        # lm_req_stats
+        self._seen: dict[int, _Row] = {}
+
+    def read(self) -> tuple[dict[HistKey, int], dict[EndpointKey, RequestStats]]:
+        keys, values, n = self._index.read()
+        named = dict(zip(values.cast("B").cast("I")[:n], map(self._pick,
+                                                             self._key.struct.iter_unpack(keys))))
+        hist: dict[HistKey, int] = {}
+        requests: dict[EndpointKey, tuple[int, ...]] = {}
+        if not named:
+            return hist, {}
+        _, data, m = self._data.read(max(named) + 1)
+        size = self._row_bytes
+        for i, key in named.items():
+            if i >= m:
+                continue
+            raw = data[i * size:(i + 1) * size].tobytes()
+            seen = self._seen.get(i)
+            if seen is None or seen[0] != raw:
+                seen = self._decode(raw, key, seen)
+                self._seen[i] = seen
+            hist.update(seen[1])
+            if any(seen[3]):
+                ekey = key[:3]
+                have = requests.get(ekey)
+                requests[ekey] = seen[3] if have is None else tuple(map(add, have, seen[3]))
+        return hist, {k: RequestStats(*v) for k, v in requests.items()}
+
+    def _decode(self, raw: bytes, key: tuple[int, int, int, int], seen: _Row | None) -> _Row:
+        old, old_blocks = (self._zero_row, None) if seen is None else (seen[0], seen[2])
+        model, port, endpoint, status = key
+        kinds = self._kinds
+        first_at = self._blocks[0][0]
+        blocks = []
+        for j, (a, b) in enumerate(self._blocks):
+            part = raw[a:b]
+            if part == old[a:b]:
+                blocks.append(old_blocks[j] if old_blocks else [])
+                continue
+            counts = memoryview(part).cast("Q")
+            first = (a - first_at) // 8
+            blocks.append([((model, port, endpoint, x % kinds, status, x // kinds),
+                            counts[x - first])
+                           for x in compress(range(first, first + len(counts)), counts)])
+        return raw, list(chain.from_iterable(blocks)), blocks, self._req.unpack_from(
+            raw, self._req_at)
 
 
 class MapReader:
@@ -237,18 +337,7 @@ class MapReader:
         self._flow_key_of = itemgetter(*(self._fp_key.index(f) for f in (
             "flow.client", "flow.client_port", "flow.server", "flow.server_port", "model_id",
             "status")))
-        hist = bpf[b"histograms"]
-        self._hist_key = abi.codec(hist.Key)
-        self._hist = _Batch(lib, hist.map_fd, ctypes.sizeof(hist.Key), 8, hist.max_entries)
-        self._ttfb, self._e2e = abi.const("LM_HK_TTFB"), abi.const("LM_HK_E2E")
-        self._ttfb_e2e = abi.const("LM_HIST_TTFB_E2E")
-        req = bpf[b"requests"]
-        self._req_key = abi.codec(req.Key)
-        self._req_val = abi.codec(req.Leaf)
-        if len(self._req_val.fields) != len(RequestStats._fields):
-            raise TypeError("lm_req_stats: RequestStats does not match its fields")
-        self._req = _Batch(lib, req.map_fd, ctypes.sizeof(req.Key), ctypes.sizeof(req.Leaf),
-                           req.max_entries)
+        self._rows = _Rows(lib, bpf[b"rows"], bpf[b"row_data"])
         infl = bpf[b"inflight"]
         self._infl_key = abi.codec(infl.Key)
         self._infl_val = abi.codec(infl.Leaf)
@@ -275,11 +364,12 @@ class MapReader:
         """Every map; with_flows False leaves out the flow table, the only map whose read
         grows with the number of connections (a poll leaves it out; a dump reads it)."""
         mono = time.monotonic_ns()
+        histograms, requests = self._rows.read()
         return MapSnapshot(
             mono_ns=mono,
             flows=self.flows() if with_flows else None,
-            histograms=self.histograms(),
-            requests=self.requests(),
+            histograms=histograms,
+            requests=requests,
             models=self.models(),
             errors=self.errors(),
             ports=self.ports(),
@@ -345,30 +435,6 @@ class MapReader:
             key = self._flow_key_of(self._fp_key.struct.unpack(raw))
             self._flow_keys[raw] = key
         return key
-
-    def histograms(self) -> dict[HistKey, int]:
-        """Samples per (model, port, endpoint, kind, status, bucket); one of kind
-        LM_HIST_TTFB_E2E counts as a ttfb and an e2e sample."""
-        keys, values, n = self._hist.read()
-        kc = self._hist_key
-        pick = itemgetter(*(kc.index(f) for f in ("model_id", "port", "endpoint", "kind",
-                                                    "status", "bucket")))
-        counts = values.cast("B").cast("Q")[:n]
-        out = dict(zip(map(pick, kc.struct.iter_unpack(keys)), counts))
-        both = [key for key in out if key[3] == self._ttfb_e2e]
-        for key in both:
-            count = out.pop(key)
-            for kind in (self._ttfb, self._e2e):
-                k = (*key[:3], kind, *key[4:])
-                out[k] = out.get(k, 0) + count
-        return out
-
-    def requests(self) -> dict[EndpointKey, RequestStats]:
-        keys, values, _ = self._req.read()
-        kc = self._req_key
-        pick = itemgetter(*(kc.index(f) for f in ("model_id", "port", "endpoint")))
-        return {pick(k): RequestStats(*v) for k, v in
-                zip(kc.struct.iter_unpack(keys), self._req_val.struct.iter_unpack(values))}
 
     def models(self) -> dict[int, str]:
         out = {}

@@ -10,9 +10,9 @@ rounds of B/A, each round's two phases a few seconds apart.
 
     sudo .venv/bin/python scripts/bench_probes_ab.py --baseline REV [--rounds 12] [--one-model]
 
-A is the baseline: the C parts of probes/ at git revision REV (or a directory of them),
-compiled by this tree's loader, so their maps must keep this tree's layout. B is this
-tree. Kernel time is net of the timing's floor, as in bench_probes.py (a). --one-model
+A is the baseline: probes/ at git revision REV, its loader and map reader with its C
+parts, so its maps may be laid out otherwise than this tree's (or a directory of C parts,
+compiled by this tree's loader: their maps must keep this tree's layout). B is this tree. Kernel time is net of the timing's floor, as in bench_probes.py (a). --one-model
 sends one model on every connection, as clients of a vLLM or SGLang server do, where
 bench_probes.py's wrk turns three on each.
 
@@ -23,35 +23,57 @@ exit.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import resource
 import statistics
 import subprocess
 import tempfile
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import fields
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from bench_probes import MODELS, NGINX_CONF, PORT, SIZES, WRK_LUA, Floor, cost_phase, run_wrk
 
 import nettopo  # tests/nettopo.py, on the path that bench_probes sets
 
-from loadmesh.probes import ProbeSet
-from loadmesh.probes.loader import HERE, ProbeUnavailable
+from loadmesh.probes import MapSizes, ProbeSet
+from loadmesh.probes.loader import ProbeUnavailable
 
 ROOT = Path(__file__).resolve().parent.parent
+BASELINE_PACKAGE = "loadmesh_baseline_probes"
 
 
-def baseline_sources(rev: str, into: Path) -> Path:
-    """The C parts of probes/ at rev (a git revision, or a directory holding them)."""
+def baseline_probes(rev: str, into: Path) -> Callable[..., Any]:
+    """A ProbeSet factory for the baseline: a directory of C parts is compiled by this
+    tree's loader (its maps must keep this tree's layout); a git revision brings its whole
+    probes/ package, loader and map reader too, imported under a name of its own, so its
+    maps may be laid out otherwise."""
     if Path(rev).is_dir():
-        return Path(rev)
+        return partial(ProbeSet, sources=Path(rev))
     names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:probes"],
                            check=True, capture_output=True, text=True).stdout.split()
     for name in names:
-        if name.endswith((".c", ".h")):
+        if name.endswith((".c", ".h", ".py")):
             text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:probes/{name}"],
                                   check=True, capture_output=True, text=True).stdout
             (into / name).write_text(text)
-    return into
+    spec = importlib.util.spec_from_file_location(
+        BASELINE_PACKAGE, into / "__init__.py", submodule_search_locations=[str(into)])
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[BASELINE_PACKAGE] = package
+    spec.loader.exec_module(package)
+
+    def make(interfaces: list[str], ports: list[int], sizes: MapSizes) -> Any:
+        """The baseline's ProbeSet, with the sizes of the maps both layouts have."""
+        theirs = {f.name for f in fields(package.MapSizes)}
+        return package.ProbeSet(interfaces, ports, package.MapSizes(
+            **{f.name: getattr(sizes, f.name) for f in fields(sizes) if f.name in theirs}))
+    return make
 
 
 def main() -> None:
@@ -70,7 +92,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lm-ab-") as tmp, nettopo.veth_netns("lmab") as topo:
         d = Path(tmp)
         (d / "baseline").mkdir()
-        sources = {"A": baseline_sources(args.baseline, d / "baseline"), "B": HERE}
+        make = {"A": baseline_probes(args.baseline, d / "baseline"), "B": ProbeSet}
         (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, port=PORT))
         lua = d / "post.lua"
         lua.write_text(WRK_LUA.format(models=models))
@@ -82,13 +104,12 @@ def main() -> None:
             sets: dict[str, ProbeSet] = {}
             try:
                 for side in ("A", "B"):
-                    sets[side] = ProbeSet([topo.host_if], [PORT], SIZES, sources=sources[side])
+                    sets[side] = make[side]([topo.host_if], [PORT], SIZES)
                     try:
                         sets[side].start()
                     except ProbeUnavailable as exc:
                         name = args.baseline if side == "A" else "this tree"
-                        raise SystemExit(f"{side} ({name}): {exc} (a baseline must keep this "
-                                         "tree's map layout)") from exc
+                        raise SystemExit(f"{side} ({name}): {exc}") from exc
                     sets[side].pause()
                 for r in range(args.rounds):
                     for side in ("A", "B") if r % 2 == 0 else ("B", "A"):

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from loadmesh.probes import ProbeSet
+    from loadmesh.probes import MapSizes, ProbeSet
 
 _counter = itertools.count()
 
@@ -279,15 +279,17 @@ def attached(ifname: str, ns: Netns | None = None) -> list[str]:
 
 
 @contextlib.contextmanager
-def probes_on(ifname: str, ports: Sequence[int]) -> Iterator[ProbeSet]:
-    """The probes started on ifname for `ports`, stopped on every way out, and nothing of
-    theirs left on the interface's hooks after. Where they cannot load the test is skipped,
-    but not as root (CI): there a skip would hide a broken probe."""
+def probes_on(ifname: str, ports: Sequence[int], sizes: MapSizes | None = None
+              ) -> Iterator[ProbeSet]:
+    """The probes started on ifname for `ports` (with the default map sizes unless given),
+    stopped on every way out, and nothing of theirs left on the interface's hooks after.
+    Where they cannot load the test is skipped, but not as root (CI): there a skip would
+    hide a broken probe."""
     import pytest
 
-    from loadmesh.probes import ProbeSet, ProbeUnavailable
+    from loadmesh.probes import MapSizes, ProbeSet, ProbeUnavailable
 
-    probes = ProbeSet([ifname], list(ports))
+    probes = ProbeSet([ifname], list(ports), sizes or MapSizes())
     try:
         probes.start()
     except ProbeUnavailable as exc:

@@ -123,7 +123,7 @@ def _agent_view() -> SimpleNamespace:
     report = {"models": [{"model": "llama", "endpoint": "chat", "status": {"200": 7, "503": 2},
                           "outcomes": {"complete": 8, "aborted": 1}, "output_tokens": 640,
                           "prompt_tokens": 90, "waiting": 2, "running": 1, "inflight": 3}],
-              "errors": {"hist_full": 1, "event_cut": 0}}
+              "errors": {"rows_full": 1, "event_cut": 0}}
     bounds = {len(TTFT_BUCKETS_S): "ttft", len(ITL_BUCKETS_S): "itl", len(E2E_BUCKETS_S): "e2e"}
 
     def latency_counts(kind: str, edges: tuple[float, ...]) -> list[SimpleNamespace]:
@@ -198,7 +198,7 @@ def test_every_family_reads_the_agents_state_in_base_units() -> None:
         les = {dict(labels)["le"] for (name, labels), _ in s.items()
                if name == f"loadmesh_{family}_seconds_bucket"}
         assert les == {*(str(float(b)) for b in edges), "+Inf"}
-    assert value(s, "loadmesh_probe_errors_total", reason="hist_full") == 1
+    assert value(s, "loadmesh_probe_errors_total", reason="rows_full") == 1
     # Peers are the other nodes: this one is not its own peer.
     assert value(s, "loadmesh_peers", state="alive") == 1
     assert value(s, "loadmesh_peers", state="suspect") == 1

@@ -1,6 +1,7 @@
 """Exact bytes (tests/crafted.py) through the real programs and maps by BPF_PROG_TEST_RUN:
 the token counts of `usage` objects as the servers write them (one model per layout, so
-each layout's counts stand alone in the `requests` map), a 5-tuple that a new SYN
+each layout's counts stand alone in its row of the model figures), the rows themselves
+(one per status, and none past their number), a 5-tuple that a new SYN
 reuses while its old connection still has a state, and the segments that the entry sends
 straight to lm_sse because they start like a chunk of events."""
 
@@ -13,12 +14,12 @@ import pytest
 
 import nettopo
 from crafted import CLIENT, SERVER, Connection, frame, test_run
-from loadmesh.probes import ProbeSet, abi
+from loadmesh.probes import MapSizes, ProbeSet, abi
 from loadmesh.model_id import model_id
 
 PORT = 8080
 CHAT = abi.endpoint_names().index("chat")
-TTFT, ITL = abi.const("LM_HK_TTFT"), abi.const("LM_HK_ITL")
+TTFB, TTFT, ITL, E2E = (abi.const(f"LM_HK_{k}") for k in ("TTFB", "TTFT", "ITL", "E2E"))
 CONTENT = "Paris is the capital of France."
 
 # name -> (answer body, completion tokens or None, prompt tokens)
@@ -76,9 +77,9 @@ def request(model: str) -> bytes:
             f"\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
 
 
-def answer(body: bytes) -> bytes:
-    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-            % len(body)) + body
+def answer(body: bytes, status: bytes = b"200 OK") -> bytes:
+    return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % (status, len(body))) + body
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,33 @@ def test_a_syn_on_a_5_tuple_with_a_state_ends_its_requests_as_aborted(
     test_run(fd, fresh.answer(answer(LAYOUTS["vllm-compact"][0])))
     stats = probes.read_maps(with_flows=False).requests[(model_id("syn-reused"), PORT, CHAT)]
     assert (stats.aborted, stats.complete) == (1, 1)
+
+
+def test_the_model_figures_are_a_row_per_status_and_none_past_the_rows() -> None:
+    """A row per model, port, endpoint and status: each status's latencies apart, the
+    outcomes summed over them. A status first seen when every row is taken is counted as
+    rows_full, and the rows made before it stay exact."""
+    statuses = [b"200 OK", b"404 Not Found", b"200 OK", b"503 Service Unavailable",
+                b"429 Too Many Requests", b"200 OK", b"404 Not Found"]
+    with nettopo.veth_netns("lmr") as topo, \
+            nettopo.probes_on(topo.host_if, [PORT], MapSizes(rows=3)) as probes:
+        fd = probes.program_fd("lm_tc_eth")
+        conn = Connection(43000, PORT)
+        for status in statuses:
+            test_run(fd, conn.request(request("rows")))
+            test_run(fd, conn.answer(answer(LAYOUTS["vllm-compact"][0], status)))
+        snap = probes.read_maps(with_flows=False)
+    mid = model_id("rows")
+    for kind in (TTFB, E2E):
+        per_status: dict[int, int] = {}
+        for key, n in snap.histograms.items():
+            if key[:4] == (mid, PORT, CHAT, kind):
+                per_status[key[4]] = per_status.get(key[4], 0) + n
+        assert per_status == {200: 3, 404: 2, 503: 1}, kind
+    stats = snap.requests[(mid, PORT, CHAT)]
+    assert (stats.complete, stats.usage_answers, stats.output_tokens) == (6, 6, 6 * 16)
+    assert snap.errors["rows_full"] == 1
+    assert {k: v for k, v in snap.errors.items() if v} == {"rows_full": 1}
 
 
 def sse_chunk(data: bytes) -> bytes:
