@@ -160,7 +160,7 @@ class ProbesConfig:
     max_connections: int = setting(16384, between(1, 1 << 22), "in-flight map: live connections")
     max_fingerprints: int = setting(16384, between(1, 1 << 22),
                                     "fingerprints map: flow x model x status rows")
-    max_model_rows: int = setting(512, between(1, 8192), "rows of model figures: model x "
+    max_model_rows: int = setting(64, between(1, 8192), "rows of model figures: model x "
                                   "port x endpoint x status (19 KB of kernel memory each)")
     max_models: int = setting(1024, between(1, 1 << 22), "distinct model names kept")
 

@@ -81,12 +81,13 @@ BPF_TABLE("lru_hash", struct lm_fp_key, struct lm_fp_val, fingerprints, LM_FP_EN
  * cost about 60 ns a request on wrk's traffic, cold caches and all: docs/probes.md).
  * One copy for all CPUs, counted with atomic adds: its size does not grow with the CPUs,
  * and user space reads it four times a second. A new row takes its index from
- * `free_rows`, which the loader fills with every index: no two CPUs get one index, and
- * none is lost when two make the same row at once (the slower puts its index back).
- * Rows are never freed (counters are cumulative). */
-BPF_F_TABLE("hash", struct lm_row_key, u32, rows, LM_ROWS, 0);
-BPF_ARRAY(row_data, struct lm_row, LM_ROWS);
+ * `free_rows`, which the loader fills with the indexes below LM_ROWS: no two CPUs get one
+ * index, and none is lost when two make the same row at once (the slower puts its index
+ * back). Rows are never freed (counters are cumulative). */
+BPF_F_TABLE("hash", struct lm_row_key, u32, rows, LM_ROWS + LM_SPARE_ROWS, 0);
+BPF_ARRAY(row_data, struct lm_row, LM_ROWS + LM_SPARE_ROWS);
 BPF_QUEUE(free_rows, u32, LM_ROWS);
+BPF_QUEUE(spare_rows, u32, LM_SPARE_ROWS); /* for model-less rows only: see new_row */
 
 /* Rows this CPU resolved lately, direct-mapped by the key's bits: spares the `rows` lookup
  * at an answer's head, nearly always (a host serves a few models, endpoints and statuses).

@@ -25,19 +25,33 @@ static __always_inline u32 lm_bucket(u64 v) {
 
 /* ---- rows of the model figures ---- */
 
-/* A new row for k, as its index + 1; 0 when every index is taken. */
+/* A new row for k, as its index + 1. When every row is taken, k's figures go to the
+ * model-less row ("-") of its port, endpoint and status, made from the spare indexes if it
+ * has none yet: an attacker naming a new model in each request fills the rows, and the
+ * models that come after are then counted, only not by name. 0 when the spares are taken
+ * too: the figures are dropped. Both counted (rows_full). */
 static __always_inline u32 new_row(struct lm_row_key *k) {
     u32 row;
-    if (free_rows.pop(&row) != 0)
-        return 0;
-    if (rows.insert(k, &row) != 0)
-        free_rows.push(&row, 0); /* another CPU made the row meanwhile */
-    u32 *r = rows.lookup(k);
+    if (free_rows.pop(&row) == 0) {
+        if (rows.insert(k, &row) != 0)
+            free_rows.push(&row, 0); /* another CPU made the row meanwhile */
+    } else {
+        err(LM_ERR_ROWS_FULL);
+        k->model_id = 0;
+        u32 *r = rows.lookup(k);
+        if (r)
+            return *r + 1;
+        if (spare_rows.pop(&row) != 0)
+            return 0;
+        if (rows.insert(k, &row) != 0)
+            spare_rows.push(&row, 0);
+    }
+    u32 *r = rows.lookup(k); /* this CPU's, or another's made meanwhile */
     return r ? *r + 1 : 0;
 }
 
-/* The row of a model, serving port, endpoint and status, as its index + 1; 0 when the rows
- * are full (counted). */
+/* The row of a model, serving port, endpoint and status, as its index + 1 (see new_row);
+ * 0 for none. */
 static __always_inline u32 row_index(u64 model, u16 port, u8 ep, u16 status) {
     struct lm_row_key k = {.model_id = model, .port = port, .status = status, .endpoint = ep};
     u64 tag = *(u64 *)&k.port; /* port, status, endpoint and the zero pad in one word */
@@ -46,12 +60,14 @@ static __always_inline u32 row_index(u64 model, u16 port, u8 ep, u16 status) {
     if (cs && cs->row && cs->key.model_id == model && *(u64 *)&cs->key.port == tag)
         return cs->row;
     u32 *r = rows.lookup(&k);
-    u32 row = r ? *r + 1 : new_row(&k);
-    if (!row) {
-        err(LM_ERR_ROWS_FULL);
-        return 0;
+    u32 row;
+    if (r) {
+        row = *r + 1;
+    } else {
+        struct lm_row_key made = k;
+        row = new_row(&made);
     }
-    if (cs) {
+    if (row && cs) {
         __builtin_memcpy(&cs->key, &k, sizeof(k));
         cs->row = row;
     }

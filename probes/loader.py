@@ -24,7 +24,7 @@ from typing import Any
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from . import buckets, tc, tcx
+from . import abi, buckets, tc, tcx
 from .maps import FlowTable, MapReader, MapSnapshot
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class MapSizes:
 
     inflight: int = 16384  # live connections to serving ports
     fingerprints: int = 16384  # flow x model x status rows, least recently answered evicted
-    rows: int = 512  # model x port x endpoint x status rows of figures (19 KB each)
+    rows: int = 64  # model x port x endpoint x status rows of figures (19 KB each)
     models: int = 1024  # distinct model names
     ports: int = 64  # serving ports (per-port TCP stats)
 
@@ -324,9 +324,12 @@ class ProbeSet:
             steps[ctypes.c_int(i)] = ctypes.c_int(self._progs[name].fd)
         self._written = {}
         self._write_ports()
-        free_rows = self._bpf[b"free_rows"]
-        for i in range(self.sizes.rows):
-            free_rows.push(ctypes.c_uint32(i))
+        for name, indexes in ((b"free_rows", range(self.sizes.rows)),
+                              (b"spare_rows", range(self.sizes.rows,
+                                                    self.sizes.rows + abi.const("LM_SPARE_ROWS")))):
+            queue = self._bpf[name]
+            for i in indexes:
+                queue.push(ctypes.c_uint32(i))
         self._reader = MapReader(self._bpf, lib)
         self._attach_all()
 

@@ -38,6 +38,10 @@
  * put it at the end (vLLM: then three short keys, about 80 bytes). */
 #define LM_USAGE_TAIL 512
 
+/* Rows of the model figures kept, beyond the configured number (LM_ROWS), for model-less
+ * rows ("-") made once the others are all taken: a port's few endpoints and statuses. */
+#define LM_SPARE_ROWS 16
+
 /* Endpoint classes, from the request path: the unit of a model's figures, so that
  * scrapes of a server's /metrics and health checks never mix with inference. */
 #define LM_EP_OTHER 0
@@ -66,7 +70,7 @@
 
 /* Indexes of the `errors` per-CPU array: what went wrong, counted, never silent. */
 #define LM_ERR_FP_FULL 0          /* a fingerprints row could be neither made nor found */
-#define LM_ERR_ROWS_FULL 1        /* row_data full: a new row's samples and outcomes are dropped */
+#define LM_ERR_ROWS_FULL 1        /* rows all taken: a new row's figures went to "-", or were dropped */
 #define LM_ERR_MODELS_FULL 2      /* models map full: a model's name is not shown */
 #define LM_ERR_SCAN_GAVE_UP 3     /* a body longer than the scan limits held no "model" in them */
 #define LM_ERR_MODEL_TOO_LONG 4   /* "model" value longer than LM_NAME_MAX */

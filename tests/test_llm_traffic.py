@@ -28,7 +28,7 @@ import pytest
 
 import nettopo
 from llm_clients import nearest_rank
-from loadmesh.probes import ProbeSet, abi, buckets
+from loadmesh.probes import MapSizes, ProbeSet, abi, buckets
 from loadmesh.probes.maps import MapSnapshot
 from loadmesh.model_id import model_id
 
@@ -42,6 +42,10 @@ TTFB, TTFT, ITL, E2E = (abi.const(f"LM_HK_{k}") for k in ("TTFB", "TTFT", "ITL",
 ENDPOINTS = abi.endpoint_names()
 OUTCOMES = abi.outcome_names()
 
+
+# One probe set serves the whole module, whose tests between them make more rows of model
+# figures (models x endpoints x statuses) than the default 64.
+ROWS = MapSizes(rows=512)
 
 @dataclass
 class Env:
@@ -59,7 +63,7 @@ def env() -> Iterator[Env]:
                                     "--prefill-ms", "30", "--slots", "64"], ready="ready"), \
             topo.ns.popen(SERVER + ["--port", str(SLOW_PORT), "--step-ms", "250",
                                     "--slots", "8", "--max-waiting", "12"], ready="ready"), \
-            nettopo.probes_on(topo.host_if, [PORT, SLOW_PORT]) as probes:
+            nettopo.probes_on(topo.host_if, [PORT, SLOW_PORT], ROWS) as probes:
         yield Env(topo, probes)
 
 

@@ -1,7 +1,7 @@
 """Exact bytes (tests/crafted.py) through the real programs and maps by BPF_PROG_TEST_RUN:
 the token counts of `usage` objects as the servers write them (one model per layout, so
 each layout's counts stand alone in its row of the model figures), the rows themselves
-(one per status, and none past their number), a 5-tuple that a new SYN
+(one per status, and what comes past their number), a 5-tuple that a new SYN
 reuses while its old connection still has a state, and the segments that the entry sends
 straight to lm_sse because they start like a chunk of events."""
 
@@ -15,7 +15,7 @@ import pytest
 import nettopo
 from crafted import CLIENT, SERVER, Connection, frame, test_run
 from loadmesh.probes import MapSizes, ProbeSet, abi
-from loadmesh.model_id import model_id
+from loadmesh.model_id import NO_MODEL, model_id
 
 PORT = 8080
 CHAT = abi.endpoint_names().index("chat")
@@ -123,31 +123,41 @@ def test_a_syn_on_a_5_tuple_with_a_state_ends_its_requests_as_aborted(
     assert (stats.aborted, stats.complete) == (1, 1)
 
 
-def test_the_model_figures_are_a_row_per_status_and_none_past_the_rows() -> None:
+def test_the_model_figures_are_a_row_per_status_and_go_to_the_model_less_rows_past_them(
+        ) -> None:
     """A row per model, port, endpoint and status: each status's latencies apart, the
-    outcomes summed over them. A status first seen when every row is taken is counted as
-    rows_full, and the rows made before it stay exact."""
-    statuses = [b"200 OK", b"404 Not Found", b"200 OK", b"503 Service Unavailable",
-                b"429 Too Many Requests", b"200 OK", b"404 Not Found"]
+    outcomes summed over them. Once every row is taken, a new row's figures go to the
+    model-less row ("-") of its port, endpoint and status, made from the spare rows; past
+    those they are dropped. Both are counted as rows_full, and the rows made before stay
+    exact."""
+    spare = abi.const("LM_SPARE_ROWS")
+    statuses = [200, 404, 200, 503, 429, 200, 404]  # 429: the first past the 3 rows
+    flood = list(range(520, 520 + spare + 2))  # a new model: into "-", the spares, then none
+    body = LAYOUTS["vllm-compact"][0]
     with nettopo.veth_netns("lmr") as topo, \
             nettopo.probes_on(topo.host_if, [PORT], MapSizes(rows=3)) as probes:
         fd = probes.program_fd("lm_tc_eth")
         conn = Connection(43000, PORT)
-        for status in statuses:
-            test_run(fd, conn.request(request("rows")))
-            test_run(fd, conn.answer(answer(LAYOUTS["vllm-compact"][0], status)))
+        for model, status in [("rows", s) for s in statuses] + [("flood", s) for s in flood]:
+            test_run(fd, conn.request(request(model)))
+            test_run(fd, conn.answer(answer(body, b"%d Status" % status)))
         snap = probes.read_maps(with_flows=False)
-    mid = model_id("rows")
-    for kind in (TTFB, E2E):
-        per_status: dict[int, int] = {}
+
+    def per_status(mid: int, kind: int) -> dict[int, int]:
+        out: dict[int, int] = {}
         for key, n in snap.histograms.items():
             if key[:4] == (mid, PORT, CHAT, kind):
-                per_status[key[4]] = per_status.get(key[4], 0) + n
-        assert per_status == {200: 3, 404: 2, 503: 1}, kind
-    stats = snap.requests[(mid, PORT, CHAT)]
-    assert (stats.complete, stats.usage_answers, stats.output_tokens) == (6, 6, 6 * 16)
-    assert snap.errors["rows_full"] == 1
-    assert {k: v for k, v in snap.errors.items() if v} == {"rows_full": 1}
+                out[key[4]] = out.get(key[4], 0) + n
+        return out
+
+    for kind in (TTFB, E2E):
+        assert per_status(model_id("rows"), kind) == {200: 3, 404: 2, 503: 1}, kind
+        assert per_status(model_id("flood"), kind) == {}, kind
+        # 429 took one spare row, the flood the others; its last two statuses found none
+        assert per_status(NO_MODEL, kind) == {s: 1 for s in [429, *flood[:spare - 1]]}, kind
+    assert snap.requests[(model_id("rows"), PORT, CHAT)].complete == 6
+    assert snap.requests[(NO_MODEL, PORT, CHAT)].complete == spare
+    assert {k: v for k, v in snap.errors.items() if v} == {"rows_full": 1 + len(flood)}
 
 
 def sse_chunk(data: bytes) -> bytes:

@@ -26,7 +26,7 @@ import pytest
 import nettopo
 from llm_clients import nearest_rank
 from metrics_helpers import wait_for
-from loadmesh.probes import FingerprintReader, ProbeSet, abi, buckets
+from loadmesh.probes import FingerprintReader, MapSizes, ProbeSet, abi, buckets
 from loadmesh.model_id import model_id
 from loadmesh.probes.maps import MapSnapshot, format_ip
 
@@ -38,6 +38,10 @@ SERVER = [sys.executable, str(ROOT / "tests" / "probe_servers.py")]
 PORT = 8150
 
 
+# One probe set serves the whole module, whose tests between them make more rows of model
+# figures (models x endpoints x statuses) than the default 64.
+ROWS = MapSizes(rows=512)
+
 @dataclass
 class Env:
     topo: nettopo.VethTopo
@@ -48,7 +52,7 @@ class Env:
 def env() -> Iterator[Env]:
     with nettopo.veth_netns() as topo, \
             topo.ns.popen(SERVER + ["--port", str(PORT)], ready="ready"), \
-            nettopo.probes_on(topo.host_if, [PORT]) as probes:
+            nettopo.probes_on(topo.host_if, [PORT], ROWS) as probes:
         yield Env(topo, probes)
 
 
