@@ -12,8 +12,9 @@ rounds of B/A, each round's two phases a few seconds apart.
 
 A is the baseline: probes/ at git revision REV, its loader and map reader with its C
 parts, so its maps may be laid out otherwise than this tree's (or a directory of C parts,
-compiled by this tree's loader: their maps must keep this tree's layout). B is this tree. Kernel time is net of the timing's floor, as in bench_probes.py (a). --one-model
-sends one model on every connection, as clients of a vLLM or SGLang server do, where
+compiled by this tree's loader: their maps must keep this tree's layout). B is this tree.
+Kernel time is net of the timing's floor, as in bench_probes.py (a). --one-model sends
+one model on every connection, as clients of a vLLM or SGLang server do, where
 bench_probes.py's wrk turns three on each.
 
 Needs root, nginx and wrk (`bash scripts/setup.sh --bench`); the namespace is removed on
