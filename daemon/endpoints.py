@@ -27,7 +27,8 @@ def endpoints(agent: Agent) -> tuple[Route, ...]:
               "the probes' report: per model and endpoint, and per flow (built in a "
               "thread); 503 while the probes are not running"),
         Route("GET", "/v1/snapshot", snapshot.serve_snapshot,
-              "this node's LoadSnapshot with units; 503 before the first one"),
+              "this node's LoadSnapshot with units, and score_inputs: what the last tick's "
+              "score was made of; 503 before the first one"),
         Route("POST", "/v1/drain", snapshot.serve_drain,
               "drains this node: draining, and whether the state directory kept it"),
         Route("POST", "/v1/undrain", snapshot.serve_undrain,

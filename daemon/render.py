@@ -135,7 +135,28 @@ def snapshot(body: Mapping[str, Any]) -> str:
     lines += ["", table(("MODEL", "PORT", "RPS", "ERROR_RATIO", "TTFB_P50_MS", "TTFB_P99_MS",
                          "WAITING", "RUNNING", "TTFT_P99_MS", "ITL_P99_MS", "TOKENS_PER_S"),
                         model_rows) if model_rows else "models     none seen yet"]
+    if "score_inputs" in body:
+        lines += ["", *_score_inputs(body["score_inputs"])]
     return "\n".join(lines)
+
+
+def _figure(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _score_inputs(inputs: Mapping[str, Any]) -> list[str]:
+    """The last tick's components (docs/snapshot.md, "The load score") and each model's
+    queue figure: why the score is what it is."""
+    parts = ", ".join(f"{name} {_figure(v)}" for name, v in inputs["components"].items())
+    lines = [f"score from {parts} (-: no data); unsmoothed {inputs['instant_score']:.3f}"]
+    rows = [(q["model"], q["port"], _figure(q["rate_tokens_per_s"], 1),
+             _figure(q["best_tokens_per_s"], 1), _figure(q["queue"]))
+            for q in inputs["queue"]]
+    if rows:
+        lines += ["queue: output tokens/s per request in the server now, against the best "
+                  "this node has served the model at",
+                  table(("MODEL", "PORT", "RATE", "BEST", "QUEUE"), rows)]
+    return lines
 
 
 def peers(body: Sequence[Mapping[str, Any]]) -> str:

@@ -180,6 +180,17 @@ class ModelRates(Protocol):
     def e2e_s(self) -> float: ...
 
 
+@dataclass(frozen=True)
+class QueueFigure:
+    """One (model, port)'s queue figure and its inputs, in output tokens per second per
+    request in the server. rate: the window's; None where the window said nothing new
+    (nothing in flight, too few tokens, no best yet). best: None until one is learnt."""
+
+    rate: float | None
+    best: float | None
+    queue: float
+
+
 # A window with fewer output tokens, or less than this many requests in flight on average,
 # says too little about a model's rate to learn from.
 MIN_TOKENS = 50
@@ -210,7 +221,7 @@ class QueueGauge:
 
     def __init__(self) -> None:
         self._best: dict[tuple[int, int], float] = {}
-        self._last: dict[tuple[int, int], float] = {}
+        self._last: dict[tuple[int, int], QueueFigure] = {}
 
     def update(self, models: Sequence[ModelRates]) -> float | None:
         """The busiest model's queue figure, in [0, 1]; None before any is known."""
@@ -220,20 +231,24 @@ class QueueGauge:
             if m.e2e_tokens >= MIN_TOKENS and m.e2e_s > 0:
                 self._best[key] = max(self._best.get(key, 0.0), m.e2e_tokens / m.e2e_s)
             best = self._best.get(key)
+            rate = None
             if m.mean_in_flight < MIN_IN_FLIGHT:
                 busy = 0.0
             elif best and m.window_tokens >= MIN_TOKENS:
-                busy = _cap(1 - m.tokens_per_s / m.mean_in_flight / best)
+                rate = m.tokens_per_s / m.mean_in_flight
+                busy = _cap(1 - rate / best)
             else:
-                busy = self._last.get(key, 0.0)
-            self._last[key] = busy
+                last = self._last.get(key)
+                busy = last.queue if last else 0.0
+            self._last[key] = QueueFigure(rate, best, busy)
             if best:
                 out = busy if out is None else max(out, busy)
         return out
 
-    def best(self) -> dict[tuple[int, int], float]:
-        """The best rate per (model_id, port), output tokens per second in the server."""
-        return dict(self._best)
+    def figures(self) -> dict[tuple[int, int], QueueFigure]:
+        """Per (model_id, port), the last update's figure and what it was made of: what an
+        operator reads to see why a node scores as it does."""
+        return dict(self._last)
 
 
 class ScoreSmoother:

@@ -6,11 +6,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from loadmesh.daemon.score import (
+    Components,
     ModelRates,
+    QueueFigure,
     QueueGauge,
     ScoreConfig,
     ScoreSmoother,
@@ -59,6 +61,17 @@ class ModelFigures(ModelRates, Protocol):
     def itl_p99_ms(self) -> float: ...
     @property
     def pace_ms(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class ScoreInputs:
+    """What the last build's score was made of (docs/snapshot.md, "The load score"):
+    the components, the unsmoothed score, and each model's queue figure. Local only: the
+    wire carries the score."""
+
+    components: Components
+    instant: float
+    queue: Mapping[tuple[int, int], QueueFigure]
 
 
 def _bounded(value: float, hi: float) -> float:
@@ -125,10 +138,17 @@ class SnapshotBuilder:
         self._now_ms = now_ms
         self._monotonic = monotonic
         self._published: LoadSnapshot | None = None
+        self._inputs: ScoreInputs | None = None
 
     @property
     def published(self) -> LoadSnapshot | None:
         return self._published
+
+    @property
+    def inputs(self) -> ScoreInputs | None:
+        """The last build's, published or not (a score that moved within its deadband
+        leaves the published snapshot as it was)."""
+        return self._inputs
 
     def build(
         self,
@@ -159,8 +179,9 @@ class SnapshotBuilder:
             loads = [_banded(m, *bands(m.model_id)) for m in loads]
         gpus = sorted(gpus, key=lambda g: g.index)[:MAX_GPUS]
         queue = self._queue.update(models)
-        instant = instant_score(components(host, gpus, loads, self.score_config, queue),
-                                self.score_config.weights)
+        parts = components(host, gpus, loads, self.score_config, queue)
+        instant = instant_score(parts, self.score_config.weights)
+        self._inputs = ScoreInputs(parts, instant, self._queue.figures())
         smoothed = self._smoother.update(instant, self._monotonic())
         # Rounding inside the smoother can overshoot 1.0 by an ulp.
         score = wire_score(min(max(smoothed, 0.0), 1.0))

@@ -294,4 +294,5 @@ class SnapshotComponent:
         snap = self.current
         if snap is None:
             return Response.error(HTTPStatus.SERVICE_UNAVAILABLE, "no snapshot yet")
-        return Response.json(snapshot_json(snap, self.gpu.devices, self.model_names()))
+        inputs = None if self._builder is None else self._builder.inputs
+        return Response.json(snapshot_json(snap, self.gpu.devices, self.model_names(), inputs))

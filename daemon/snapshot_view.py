@@ -3,17 +3,39 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from loadmesh.daemon.collectors.gpu import GpuInfo
+from loadmesh.daemon.snapshot_builder import ScoreInputs
 from loadmesh.gossip.snapshot import LoadSnapshot
 
 
+def _model_name(model_names: Mapping[int, str], model_id: int) -> str:
+    return model_names.get(model_id, f"{model_id:016x}")
+
+
+def score_inputs_json(inputs: ScoreInputs, model_names: Mapping[int, str]) -> dict[str, Any]:
+    """Why the score is what it is: the components in [0, 1] (null: no data, left out of
+    the blend), the score before smoothing, and each model's queue, its rate against the
+    best this node has served it at."""
+    return {
+        "components": asdict(inputs.components),
+        "instant_score": inputs.instant,
+        "queue": [
+            {"model": _model_name(model_names, model_id), "port": port,
+             "rate_tokens_per_s": q.rate, "best_tokens_per_s": q.best, "queue": q.queue}
+            for (model_id, port), q in sorted(inputs.queue.items())
+        ],
+    }
+
+
 def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],
-                  model_names: Mapping[int, str]) -> dict[str, Any]:
+                  model_names: Mapping[int, str],
+                  inputs: ScoreInputs | None) -> dict[str, Any]:
     identity = {d.index: d for d in devices}
     host = snap.host
-    return {
+    out = {
         "node_id": snap.node_id,
         "version": snap.version,
         "timestamp_ms": snap.timestamp_ms,
@@ -47,7 +69,7 @@ def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],
         ],
         "models": [
             {
-                "model": model_names.get(m.model_id, f"{m.model_id:016x}"),
+                "model": _model_name(model_names, m.model_id),
                 "model_id": f"{m.model_id:016x}",
                 "port": m.port,
                 "rps": m.rps,
@@ -66,3 +88,6 @@ def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],
             for m in snap.models
         ],
     }
+    if inputs is not None:
+        out["score_inputs"] = score_inputs_json(inputs, model_names)
+    return out

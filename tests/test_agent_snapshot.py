@@ -28,6 +28,13 @@ def test_snapshot_drain_and_restart(make_agent, run_dir: Path) -> None:
     assert 0 <= snap["score"] <= 1
     assert snap["host"]["mem_total_mib"] > 0 and 0 <= snap["host"]["cpu_util_ratio"] <= 1
     assert snap["gpus"] == [] and snap["models"] == []  # no GPU and no probes here
+    # why the score is what it is: no GPU and no traffic leave the host's figures alone
+    inputs = snap["score_inputs"]
+    assert inputs["components"]["gpu_util"] is None and inputs["queue"] == []
+    assert 0 <= inputs["components"]["cpu"] <= 1 and 0 <= inputs["instant_score"] <= 1
+    shown = subprocess.run([LOADMESH, "snapshot", "--socket", sock], capture_output=True,
+                           text=True, timeout=30, check=True).stdout
+    assert "score from gpu_util -" in shown and "unsmoothed" in shown
     health = cli_json("status", "--socket", sock)["components"]
     assert health["gpu"]["state"] == "off" and health["gpu"]["reason"]
     assert health["snapshot"]["state"] == "ok"

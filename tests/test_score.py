@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from loadmesh.daemon.score import (
     MIN_TOKENS,
     Components,
+    QueueFigure,
     QueueGauge,
     ScoreConfig,
     ScoreSmoother,
@@ -200,9 +201,10 @@ def test_queue_is_the_share_of_the_best_rate_per_request_that_is_lost() -> None:
     assert gauge.update([Rates(400.0, 8.0)]) == 0.0  # a full batch of 8 at that rate
     # 16 in flight for the same 400 tokens/s: half of them wait
     assert gauge.update([Rates(400.0, 16.0)]) == pytest.approx(0.5)
+    assert gauge.figures() == {(1, 8000): QueueFigure(rate=25.0, best=50.0, queue=0.5)}
     assert gauge.update([Rates(400.0, 32.0)]) == pytest.approx(0.75)
     assert gauge.update([Rates(0.0, 0.0)]) == 0.0  # idle again: no queue
-    assert gauge.best() == {(1, 8000): 50.0}
+    assert gauge.figures() == {(1, 8000): QueueFigure(rate=None, best=50.0, queue=0.0)}
 
 
 def test_the_best_comes_from_ended_answers_not_from_lumpy_windows() -> None:
@@ -210,7 +212,7 @@ def test_the_best_comes_from_ended_answers_not_from_lumpy_windows() -> None:
     a rate above the truth; the ended answers' own times do not."""
     gauge = QueueGauge()
     gauge.update([Rates(64.0, 1.0, e2e_tokens=640, e2e_s=12.8)])  # lucky: 64 tokens/s
-    assert gauge.best() == {(1, 8000): 50.0}
+    assert gauge.figures()[1, 8000].best == 50.0
     assert gauge.update([Rates(400.0, 16.0)]) == pytest.approx(0.5)
 
 
@@ -233,6 +235,7 @@ def test_a_window_with_too_few_tokens_keeps_the_last_figure() -> None:
     gauge.update([quiet()])
     assert gauge.update([Rates(100.0, 4.0)]) == pytest.approx(0.5)
     assert gauge.update([Rates(0.0, 3.0, window_tokens=0)]) == pytest.approx(0.5)
+    assert gauge.figures()[1, 8000] == QueueFigure(rate=None, best=50.0, queue=0.5)
 
 
 @given(st.floats(1, 1e4), st.floats(0.5, 1e3), st.floats(0, 1e4), st.floats(0.5, 1e3),

@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from loadmesh.daemon import render
 from loadmesh.daemon.score import ScoreConfig, ScoreWeights
 from loadmesh.daemon.snapshot_builder import SnapshotBuilder
+from loadmesh.daemon.snapshot_view import snapshot_json
 from loadmesh.daemon.versioning import ChangeDetector, VersionClock, VersionStore
 from loadmesh.gossip.snapshot import MAX_MODELS, Endpoint, GpuLoad, HostLoad, ModelLoad, NodeState, decode, encode
 from loadmesh.model_id import model_id
@@ -217,3 +219,33 @@ def test_models_the_server_lists_are_published_before_their_first_request() -> N
     assert set(keys) == {(model_id("llama"), 8000), (model_id("qwen"), 8000), (model_id("llama"), 8001)}
     assert keys[(model_id("llama"), 8000)].rps == 50.0  # its traffic, not a second entry
     assert keys[(model_id("qwen"), 8000)] == ModelLoad(model_id("qwen"), 8000, 0.0, 0.0, 0.0, 0.0, 0)
+
+
+def test_the_score_inputs_say_why_the_score_is_what_it_is() -> None:
+    clocks = Clocks()
+    b = builder(clocks)
+    assert b.inputs is None
+    quiet = Figures(1, waiting=0, running=1, tokens_per_s=50.0, window_tokens=500,
+                    mean_in_flight=1.0, e2e_tokens=500, e2e_s=10.0)
+    b.build(host(0.1), [], [quiet])
+    clocks.tick()
+    loaded = Figures(1, waiting=8, running=8, tokens_per_s=200.0, window_tokens=500,
+                     mean_in_flight=16.0)
+    b.build(host(0.3), [], [loaded])
+    inputs = b.inputs
+    assert inputs is not None
+    # no GPU: its components are left out of the blend, and the queue floors the score
+    assert inputs.components.gpu_util is None and inputs.components.cpu == pytest.approx(0.3)
+    assert inputs.components.queue == pytest.approx(0.75)  # 12.5 tokens/s against 50
+    assert inputs.instant == pytest.approx(0.75)
+    assert inputs.queue[1, 8000].rate == pytest.approx(12.5)
+    assert inputs.queue[1, 8000].best == pytest.approx(50.0)
+
+    view = snapshot_json(b.published, [], {1: "llama"}, inputs)
+    assert view["score_inputs"]["queue"] == [
+        {"model": "llama", "port": 8000, "rate_tokens_per_s": pytest.approx(12.5),
+         "best_tokens_per_s": pytest.approx(50.0), "queue": pytest.approx(0.75)}]
+    assert view["score_inputs"]["components"]["gpu_memory"] is None
+    shown = render.snapshot(view)
+    assert "queue 0.750" in shown and "unsmoothed 0.750" in shown
+    assert "llama" in shown.split("BEST")[1] and "12.5" in shown and "50.0" in shown
