@@ -52,8 +52,8 @@
 #define LM_EP_GENERATE 5    /* /generate, /generate_stream (TGI's and SGLang's own API) */
 #define LM_EP_COUNT 6
 
-/* Histogram kinds (lm_row.hist's first index): what the latency measures, from the request's
- * first byte on the wire. */
+/* Histogram kinds (lm_row.hist[bucket * LM_HK_COUNT + kind]): what the latency measures,
+ * from the request's first byte on the wire. */
 #define LM_HK_TTFB 0 /* to the answer's first byte */
 #define LM_HK_TTFT 1 /* to a stream's first SSE data: event */
 #define LM_HK_ITL 2  /* between consecutive data: events of a stream */
@@ -70,7 +70,7 @@
 
 /* Indexes of the `errors` per-CPU array: what went wrong, counted, never silent. */
 #define LM_ERR_FP_FULL 0          /* a fingerprints row could be neither made nor found */
-#define LM_ERR_ROWS_FULL 1        /* rows all taken: a new row's figures went to "-", or were dropped */
+#define LM_ERR_ROWS_FULL 1        /* rows all taken: a new row's figures went to "-", or dropped */
 #define LM_ERR_MODELS_FULL 2      /* models map full: a model's name is not shown */
 #define LM_ERR_SCAN_GAVE_UP 3     /* a body longer than the scan limits held no "model" in them */
 #define LM_ERR_MODEL_TOO_LONG 4   /* "model" value longer than LM_NAME_MAX */

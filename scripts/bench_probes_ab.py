@@ -28,8 +28,8 @@ import importlib.util
 import resource
 import statistics
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import fields

@@ -310,8 +310,7 @@ def phase(name: str, url: str, agent_sock: str, metrics_port: int, args: argpars
                                                   histogram(lm0, LOADMESH_KINDS[kind], **lm_labels),
                                                   histogram(lm1, LOADMESH_KINDS[kind], **lm_labels))}
             for q in ("50", "99")}
-    # steady state: past the ramp-up, before the drain; the score once the agent's window
-    # and its smoothing (half-life 3 s) hold the load alone
+    # waiting/running in the steady state: past the ramp-up, before the drain
     steady = [r for r in sampler.rows if go + 0.25 * args.load_s < r[0] < at]
     # The load the clients really offered: their requests outstanding at each sample, so
     # that a phase whose clients fell behind is seen as such, not taken for the server's.
