@@ -83,6 +83,7 @@ class VersionClock:
         self._store = store
         self._reserve = reserve
         self._reserved = store.load() if store else 0
+        self._failing = False  # the last write failed: take() leaves the retry to store_ahead()
         self._next = max(self._reserved + 1, now_ms())
 
     def peek(self) -> int:
@@ -93,19 +94,42 @@ class VersionClock:
         """Hand out only versions above `version` from now on (peers hold it)."""
         self._next = max(self._next, version + 1)
 
+    def must_store(self, outrun: int = 0) -> bool:
+        """Whether the next take(), after skip_past(outrun), would write the store."""
+        return self._store is not None and max(self._next, outrun + 1) > self._reserved
+
+    def store_ahead(self, outrun: int = 0) -> None:
+        """Write now the reservation that the next take() would write (a file's write and
+        fsyncs: the agent calls this in a thread when must_store(), and builds on the
+        event loop)."""
+        self._store_from(max(self._next, outrun + 1))
+
     def take(self) -> int:
         version = self._next
-        if self._store and version > self._reserved:
-            top = version + self._reserve - 1
-            try:
-                self._store.save(top)
-                self._reserved = top
-            except OSError as e:
-                # Keep running: seeding from the clock still protects the next start
-                # unless the wall clock also steps back. Retried on the next take().
-                log.warning("cannot store version %d in %s: %s", top, self._store.path, e)
+        if version > self._reserved and not self._failing:
+            self._store_from(version)
         self._next = version + 1
         return version
+
+    def _store_from(self, version: int) -> None:
+        if self._store is None:
+            return
+        top = version + self._reserve - 1
+        try:
+            self._store.save(top)
+        except OSError as e:
+            # Keep running: seeding from the clock still protects the next start unless
+            # the wall clock also steps back. store_ahead() retries; said once, not at
+            # every attempt.
+            if not self._failing:
+                log.warning("cannot store version %d in %s: %s (retried at every tick)", top,
+                            self._store.path, e)
+            self._failing = True
+            return
+        if self._failing:
+            log.warning("versions stored in %s again", self._store.path)
+        self._failing = False
+        self._reserved = top
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,44 @@ def test_failing_store_does_not_stop_versions(tmp_path: Path) -> None:
     assert [clock.take(), clock.take()] == [NOW, NOW + 1]
 
 
+def test_stored_ahead_the_takes_write_nothing(tmp_path: Path) -> None:
+    # The agent writes the file in a thread before a build that may take a version, so
+    # that take(), on the event loop, never syncs a file.
+    store = CountingStore(tmp_path / "version")
+    clock = VersionClock(store, now_ms=lambda: NOW, reserve=100)
+    assert clock.must_store()
+    clock.store_ahead()
+    assert store.saves == 1 and not clock.must_store()
+    assert [clock.take() for _ in range(100)][-1] == NOW + 99
+    assert store.saves == 1 and clock.must_store()
+    # Peers hold a version far ahead: the reservation must cover the jump past it.
+    outrun = NOW + 5000
+    assert clock.must_store(outrun)
+    clock.store_ahead(outrun)
+    assert not clock.must_store(outrun)
+    clock.skip_past(outrun)
+    assert clock.take() == outrun + 1
+    assert store.saves == 2 and int((tmp_path / "version").read_text()) == outrun + 100
+
+
+def test_a_failing_store_is_said_once_and_retried_ahead(tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    directory = tmp_path / "state"
+    clock = VersionClock(VersionStore(directory / "version"), now_ms=lambda: NOW, reserve=10)
+    with caplog.at_level("WARNING"):
+        clock.store_ahead()
+        clock.take()
+        clock.store_ahead()
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and said[0].startswith(f"cannot store version {NOW + 9} in {directory}")
+        assert clock.must_store()
+        directory.mkdir()
+        clock.store_ahead()
+        assert "versions stored in" in caplog.records[-1].getMessage()
+    assert not clock.must_store()
+    assert int((directory / "version").read_text()) == NOW + 10
+
+
 # --- Deadband ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
