@@ -245,9 +245,9 @@ class SnapshotComponent:
         if self._versions.must_store(outrun):
             # The version file's write and fsyncs, once a reserve of versions is used up.
             await asyncio.to_thread(self._versions.store_ahead, outrun)
-        # The build runs on the loop: the host's figures are a few /proc reads (43 us), and
-        # a thread for them, four times a second, cost more than they do: among 1000 peers
-        # the agent took 5.10% of a core against 6.25% (scripts/bench_agent_cpu.py).
+        # The build runs on the loop: the host's figures are a few /proc reads (43 us), less
+        # than a worker thread's hand-off four times a second would cost (docs/gossip.md,
+        # "The snapshot's build on the loop").
         snap, changed, urgent = self._builder.build(self._host.sample(), gpus, figures, self.draining,
                                                     listed, self._bands, outrun)
         self._confirmed_ms = read_ms if read_ms is not None else int(self._ticked * 1000)

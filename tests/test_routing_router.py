@@ -540,6 +540,28 @@ def test_a_peer_passes_on_a_lost_peers_sessions_before_the_guests_of_live_ones()
     assert orphans and all(banded[s] != before[s] for s in orphans)
 
 
+def test_an_orphan_passed_on_stays_an_orphan_all_along_the_ring() -> None:
+    # s3 dead; s2 passes on the orphans it would hold; every other live peer passes on
+    # its guests only. The sessions s2 passes on are s3's, not guests of a live peer: the
+    # next peer keeps them (taken for guests, they would go round the ring and spill).
+    sessions = [f"user-{i}" for i in range(400)]
+    rows = [row(p, in_flight=5) for p in SESSION_PEERS]
+    lost = [replace(x, alive=False) if x.node_id == "s3" else x for x in rows]
+    before = session_owners(router(lost), sessions)
+    home = session_owners(router(rows), sessions)
+    banded = router([x if not x.alive else replace(x, snapshot=snapshot(
+        x.node_id, in_flight=5, band=(0.0, ORPHANS) if x.node_id == "s2" else (ORPHANS, GUESTS - ORPHANS)))
+        for x in lost])
+    moved = [s for s in sessions if home[s] == "s3" and before[s] == "s2"]
+    assert moved
+    for s in moved:
+        d = banded.best(MODEL, s, (), NOW)
+        assert isinstance(d, Decision) and d.node_id not in ("s2", "s3")
+        assert d.reason == "session moved along the ring"
+    # Nobody else's session moved.
+    assert all(session_owners(banded, [s])[s] == home[s] for s in sessions if home[s] != "s3")
+
+
 def test_this_node_passes_sessions_on_while_it_carries_more_than_its_share() -> None:
     # s0 (this node) holds 40 in flight, the other seven 5 each, all with 8 slots.
     rows = [figures(p, in_flight=40 if p == "s0" else 5, running=8 if p == "s0" else 5)

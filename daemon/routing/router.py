@@ -388,17 +388,23 @@ class Router:
         passed: list[Candidate] = []
         alternatives: list[Candidate] = []
         owner: str | None = None
+        # An orphan stays one all along the ring: passed on by the first peer after its
+        # lost owner, it is no guest of the next, whose guests' part would otherwise mix
+        # a lost host's sessions with those a live peer passed on long before (and moved
+        # both when it grew over them).
+        orphan = False
         for node_id in ring.walk(session):
             owner = owner or node_id
             c = entry.by_node.get(node_id)
             if c is None or not usable(c):
+                orphan = orphan or node_id == owner
                 continue
             if chosen is not None:
                 alternatives.append(c)
                 if len(alternatives) == want:
                     break
             elif passes_on(*c.band, node_id, session, Seat.OWN if node_id == owner
-                           else Seat.GUEST if passed else Seat.ORPHAN):
+                           else Seat.ORPHAN if orphan else Seat.GUEST):
                 passed.append(c)
             else:
                 chosen = c

@@ -3,9 +3,9 @@
 Each session has, for each peer, a coin in [0, 1) (BLAKE2b of the two names, so every host
 draws the same), in a part of the circle that says what the session is to that peer
 (Seat): in [GUESTS, 1) where the peer is the session's own (the first on its ring); in
-[ORPHANS, GUESTS) where it is a guest that a live peer before it passes on; in
-[0, ORPHANS) where it is an orphan, the peers before it gone (dead, draining, not
-serving). A peer publishes, per model, a band of the coins: [start, start + width) around
+[ORPHANS, GUESTS) where it is a guest, its owner live and passing it on; in [0, ORPHANS)
+where it is an orphan, its owner gone (dead, draining, not serving), at every peer it
+reaches along the ring. A peer publishes, per model, a band of the coins: [start, start + width) around
 the circle. It passes on the sessions whose coin falls in its band, which then go to the
 next peer on their ring (router.py); it keeps the others. A band grows from 0, so a host
 passes on a lost host's sessions first, then the sessions that live peers passed on to
@@ -145,8 +145,8 @@ _RETURN_GAIN = 0.1
 class Seat(Enum):
     """What a session is to one peer of its ring: the part of the circle of its coin."""
 
-    ORPHAN = (0.0, ORPHANS)    # the peers before it on the ring are gone
-    GUEST = (ORPHANS, GUESTS)  # a live peer before it passes it on
+    ORPHAN = (0.0, ORPHANS)    # its owner (the first peer on its ring) is gone
+    GUEST = (ORPHANS, GUESTS)  # its owner is live and passes it on
     OWN = (GUESTS, 1.0)        # the first peer on its ring
 
 
