@@ -5,8 +5,8 @@ draws the same), in a part of the circle that says what the session is to that p
 (Seat): in [GUESTS, 1) where the peer is the session's own (the first on its ring); in
 [ORPHANS, GUESTS) where it is a guest, its owner live and passing it on; in [0, ORPHANS)
 where it is an orphan, its owner gone (dead, draining, not serving), at every peer it
-reaches along the ring. A peer publishes, per model, a band of the coins: [start, start + width) around
-the circle. It passes on the sessions whose coin falls in its band, which then go to the
+reaches along the ring. A peer publishes, per model, a band of the coins:
+[start, start + width) around the circle. It passes on the sessions whose coin falls in its band, which then go to the
 next peer on their ring (router.py); it keeps the others. A band grows from 0, so a host
 passes on a lost host's sessions first, then the sessions that live peers passed on to
 it, then its own: when a host is lost, its sessions move on to where there is room, and
