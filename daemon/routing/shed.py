@@ -1,21 +1,21 @@
 """The sessions' load bound, decided by the host that carries the load.
 
 Each session has, for each peer, a coin in [0, 1) (BLAKE2b of the two names, so every host
-draws the same), in a part of the circle that says what the session is to that peer
-(Seat): in [GUESTS, 1) where the peer is the session's own (the first on its ring); in
-[ORPHANS, GUESTS) where it is a guest, its owner live and passing it on; in [0, ORPHANS)
-where it is an orphan, its owner gone (dead, draining, not serving), at every peer it
-reaches along the ring. A peer publishes, per model, a band of the coins:
-[start, start + width) around the circle. It passes on the sessions whose coin falls in its band, which then go to the
-next peer on their ring (router.py); it keeps the others. A band grows from 0, so a host
-passes on a lost host's sessions first, then the sessions that live peers passed on to
-it, then its own: when a host is lost, its sessions move on to where there is room, and
-the sessions of the hosts that took them stay where they are, their own and the guests
-they hold for a live peer (with one part for both kinds of guest, the hosts that took a
-lost host's sessions passed on, with them, guests held for 20 s: of the requests of the
-others' sessions that moved after a kill in the fleet bench, 5 of 6 were guests'). An
-orphan moved on has just lost its cache anyway; a guest has warmed one here. The guests'
-part is small: a host with few of them must reach its own sessions soon.
+draws the same), in a part of the circle that says what the session is to that peer (Seat):
+in [GUESTS, 1) where the peer is the session's own (the first on its ring); in [ORPHANS,
+GUESTS) where it is a guest, its owner live and passing it on; in [0, ORPHANS) where it is
+an orphan, its owner gone (dead, draining, not serving), at every peer it reaches along the
+ring. A peer publishes, per model, a band of the coins: [start, start + width) around the
+circle. It passes on the sessions whose coin falls in its band, which then go to the next
+peer on their ring (router.py); it keeps the others. A band grows from 0, so a host passes
+on a lost host's sessions first, then the sessions that live peers passed on to it, then
+its own: when a host is lost, its sessions move on to where there is room, and the sessions
+of the hosts that took them stay where they are, their own and the guests they hold for a
+live peer (with one part for both kinds of guest, the hosts that took a lost host's
+sessions passed on, with them, guests held for 20 s: of the requests of the others'
+sessions that moved after a kill in the fleet bench, 5 of 6 were guests'). An orphan moved
+on has just lost its cache anyway; a guest has warmed one here. The guests' part is small:
+a host with few of them must reach its own sessions soon.
 
 The band follows the host's load per slot (in flight over capacity, the batch it has
 shown), smoothed over _SMOOTH_MS. A slot is a unit of batch, so equal load per slot is
