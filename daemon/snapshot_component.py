@@ -182,6 +182,8 @@ class SnapshotComponent:
                                           f"see this node's last one")
         if self._drain_error:
             return Health(HealthState.DEGRADED, self._drain_error)
+        if self._versions is not None and self._versions.failure:
+            return Health(HealthState.DEGRADED, self._versions.failure)
         return self._health
 
     @property

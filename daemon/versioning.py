@@ -83,7 +83,8 @@ class VersionClock:
         self._store = store
         self._reserve = reserve
         self._reserved = store.load() if store else 0
-        self._failing = False  # the last write failed: take() leaves the retry to store_ahead()
+        # Why the last write failed ("" if it did not): take() leaves the retry to store_ahead().
+        self._failure = ""
         self._next = max(self._reserved + 1, now_ms())
 
     def peek(self) -> int:
@@ -93,6 +94,11 @@ class VersionClock:
     def skip_past(self, version: int) -> None:
         """Hand out only versions above `version` from now on (peers hold it)."""
         self._next = max(self._next, version + 1)
+
+    @property
+    def failure(self) -> str:
+        """Why the versions are not stored, while they are not; "" once they are."""
+        return self._failure
 
     def must_store(self, outrun: int = 0) -> bool:
         """Whether the next take(), after skip_past(outrun), would write the store."""
@@ -106,7 +112,7 @@ class VersionClock:
 
     def take(self) -> int:
         version = self._next
-        if version > self._reserved and not self._failing:
+        if version > self._reserved and not self._failure:
             self._store_from(version)
         self._next = version + 1
         return version
@@ -120,15 +126,16 @@ class VersionClock:
         except OSError as e:
             # Keep running: seeding from the clock still protects the next start unless
             # the wall clock also steps back. store_ahead() retries; said once, not at
-            # every attempt.
-            if not self._failing:
+            # every attempt, and the agent's health says it meanwhile.
+            if not self._failure:
                 log.warning("cannot store version %d in %s: %s (retried at every tick)", top,
                             self._store.path, e)
-            self._failing = True
+            self._failure = (f"versions not stored in {self._store.path} ({e}): a restart with "
+                             "the wall clock stepped back would repeat them")
             return
-        if self._failing:
+        if self._failure:
             log.warning("versions stored in %s again", self._store.path)
-        self._failing = False
+        self._failure = ""
         self._reserved = top
 
 

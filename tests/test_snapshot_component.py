@@ -133,3 +133,42 @@ async def _saves_off_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_the_version_file_is_written_off_the_event_loop(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     asyncio.run(_saves_off_the_loop(tmp_path, monkeypatch))
+
+
+class FailingStore(VersionStore):
+    """A version file on a full disk, until `failing` is cleared."""
+
+    failing = True
+
+    def save(self, version: int) -> None:
+        if self.failing:
+            raise OSError(28, "No space left on device")
+        super().save(version)
+
+
+async def _a_failing_version_file_degrades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshot_component, "VersionStore", FailingStore)
+    monkeypatch.setattr(FailingStore, "failing", True)
+    config = Config(node_id="n0", advertise="10.0.0.1", state_dir=str(tmp_path),
+                    load=LoadConfig(tick_ms=100, list_models_s=0))
+    component = SnapshotComponent(config, Probes(), Gpu())  # type: ignore[arg-type]
+    await component.start()
+    try:
+        # Still publishing, and saying why a restart might not be safe.
+        assert component.current is not None
+        health = component.health()
+        assert health.state is HealthState.DEGRADED
+        assert str(tmp_path / "version") in health.reason and "No space left" in health.reason
+        monkeypatch.setattr(FailingStore, "failing", False)
+        deadline = time.monotonic() + 5
+        while component.health().state is not HealthState.OK:
+            assert time.monotonic() < deadline, "the retried write was not noticed"
+            await asyncio.sleep(0.05)
+        assert int((tmp_path / "version").read_text()) >= component.current.version
+    finally:
+        await component.stop()
+
+
+def test_a_version_file_that_cannot_be_written_degrades_until_it_can(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(_a_failing_version_file_degrades(tmp_path, monkeypatch))
