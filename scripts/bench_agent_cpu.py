@@ -306,6 +306,7 @@ class Result:
     late_ms: float
     peers: list[dict[str, Any]]
     counters: dict[str, int]
+    memory_mib: tuple[float, float]  # the agent's resident set at the end, and its peak
 
 
 def run(rec: Recording, work: Path, exe: str) -> Result:
@@ -337,7 +338,8 @@ def run(rec: Recording, work: Path, exe: str) -> Result:
                     window = last.at - first.at
                     return Result(idle, pct(last.cpu - first.cpu, window), window,
                                   last.traffic.since(first.traffic), crowd.late_ms,
-                                  api(sock, "/v1/peers"), api(sock, "/v1/gossip")["counters"])
+                                  api(sock, "/v1/peers"), api(sock, "/v1/gossip")["counters"],
+                                  nettopo.memory_mib(proc.pid))
             finally:
                 crowd.close()
 
@@ -355,6 +357,8 @@ def report(rec: Recording, res: Result) -> None:
           f"{t.received / secs:.0f}/s ({t.received_bytes / secs:.0f} B/s): "
           + ", ".join(f"{k} {v / secs:.1f}/s" for k, v in t.received_by_kind.most_common()))
     print(f"  replay: the latest datagram went out {res.late_ms:.1f} ms after its time")
+    print(f"  its memory at the end: {res.memory_mib[0]:.0f} MiB resident, at most "
+          f"{res.memory_mib[1]:.0f} MiB (no probes loaded)")
     states = Counter(p["state"] for p in res.peers)
     print(f"  its view at the end: {len(res.peers)} peers, "
           + ", ".join(f"{k} {v}" for k, v in sorted(states.items())))

@@ -144,6 +144,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def memory_mib(pid: int) -> tuple[float, float]:
+    """A process's resident set now and at its peak (VmRSS, VmHWM), in MiB."""
+    kib: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            kib[key] = int(value.split()[0])
+    return kib["VmRSS"] / 1024, kib["VmHWM"] / 1024
+
+
 @contextlib.contextmanager
 def netns(prefix: str = "lmt") -> Iterator[Netns]:
     """A fresh network namespace with lo up; on exit its processes are killed (they are the

@@ -25,6 +25,7 @@ from loadmesh.gossip.snapshot import (MAX_GPUS, MAX_MODELS, Endpoint, GpuLoad, H
 from loadmesh.gossip.wire import Kind
 from gossip_peer import RawPeer, hostile_asks, routine
 from metrics_helpers import wait_for
+from nettopo import memory_mib
 
 KEY = secrets.token_bytes(32)
 FORGED = 300
@@ -276,24 +277,17 @@ def forge_ids(to: Addr, count: int) -> None:
             time.sleep(0.0022)  # within the address's allowance
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_forged_id_flood_keeps_memory_bounded_and_a_real_node_gets_in(make_agent, run_dir: Path) -> None:
     """An open mesh (the hardest case: anyone may name nodes), its default bounds."""
     target, process = start_agent(make_agent, run_dir, "target", keyed=False,
                                   gossip="insecure = true\n" + SLOW_TIMERS, with_process=True)
-    before = rss_mib(process.proc.pid)
+    before = memory_mib(process.proc.pid)[0]
     flood = 3000
     forge_ids(target.addr, flood)
     wait_for(lambda: target.counters()["drop_table_full"] > 0, 20.0, "the table full")
     with Client(target.sock, API_TIMEOUT_S) as client:
         table_bytes = client.get("/v1/gossip")["table_bytes"]
-    grown = rss_mib(process.proc.pid) - before
+    grown = memory_mib(process.proc.pid)[0] - before
     assert table_bytes <= 2 << 20
     assert len(target.peers()) < flood
     # A real node joins through the flooded agent, and gets in.
