@@ -34,7 +34,10 @@ share of the requests in flight (time-averaged) over its share of the fleet's ba
 holds each request twice as long and, equally busy, takes half as many), and after the kill,
 how much of the other hosts' sessions moved and when h3 was last named. Run without
 --loads, the sessions run follows --warmup seconds of loadmesh without sessions, so that
-the agents have learnt each host's batch and pace as they have in the full bench. The
+the agents have learnt each host's batch and pace as they have in the full bench; with
+--session-warmup S, the same sessions' traffic runs S seconds more before it, in the same
+load, and the figures are of what follows (a fleet that has carried its sessions a while,
+as one in service has, rather than one whose sessions all begin at once). The
 agents run the shipped defaults; --agent-toml appends TOML to each one's configuration, to
 measure a setting on the same fleet and arrivals (docs/routing.md: the snapshot tick).
 
@@ -139,15 +142,16 @@ def moved(rows: list[dict[str, Any]], home: dict[str, str], killed: str,
     return sum(r["host"] != home[r["session"]] for r in after) / max(1, len(after)), len(after)
 
 
-def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str) -> dict[str, Any]:
-    """Affinity before the kill (request-weighted share of each session's requests on its
+def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str,
+                    from_s: float = 0.0) -> dict[str, Any]:
+    """Affinity from from_s to the kill (request-weighted share of each session's requests on its
     most common host; pairs of one session's requests entering at different hosts within
     a second of each other that went to the same host), and after it: the sessions of the
     other hosts sent elsewhere from kill_at + 4 s, their home the host they were on in the
     last 10 s before the kill (where the kill found them) and, for comparison, their most
     common host before it (which also counts a session passed on at t = 12 s as moved by
     the kill at 30 s); and the killed host's last answer."""
-    home, sticky, agree, pairs = affinity(rows, 0.0, kill_at)
+    home, sticky, agree, pairs = affinity(rows, from_s, kill_at)
     last_home = affinity(rows, kill_at - 10, kill_at)[0]
     moved_after, after = moved(rows, last_home, killed, kill_at + 4)
     named = [r["t"] - kill_at for r in rows if r["host"] == killed and r["t"] >= kill_at]
@@ -192,11 +196,11 @@ class InFlight:
         self._stop.set()
         self._thread.join()
 
-    def occupancy(self, start: float, end_s: float) -> list[float]:
+    def occupancy(self, start: float, end_s: float, from_s: float = 0.0) -> list[float]:
         """Each host's share of the fleet's requests in flight over its share of the
-        slots, averaged over time, from monotonic `start` for end_s seconds."""
+        slots, averaged over time, from from_s to end_s seconds after monotonic `start`."""
         return self._occupancy([c for t, c in self.samples
-                                if t + self._start - start < end_s])
+                                if from_s <= t + self._start - start < end_s])
 
     def _occupancy(self, samples: list[list[int | None]]) -> list[float]:
         flight = [sum(c[i] or 0 for c in samples) for i in range(len(self.urls))]
@@ -294,6 +298,9 @@ def main() -> int:
                     help="last, loadmesh with N sessions at 80%% load, h3 killed at half time")
     ap.add_argument("--warmup", type=float, default=20, metavar="S",
                     help="with --sessions and no --loads, S seconds of loadmesh at 80%% first")
+    ap.add_argument("--session-warmup", type=float, default=0, metavar="S",
+                    help="with --sessions, the same sessions' traffic for S seconds before the "
+                         "measured run, in one load: the kill and the figures come after it")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--agent-toml", default="", metavar="TOML",
                     help="appended to every agent's configuration, to try a setting against "
@@ -377,8 +384,10 @@ def main() -> int:
                 print(f"\nwarm-up: {args.warmup:g} s of loadmesh at 80%, no sessions", flush=True)
                 run("loadmesh", arrivals(0.8 * capacity, args.warmup, args.seed + 3, len(HOSTS)),
                     None)
-            plan = arrivals(0.8 * capacity, args.seconds, args.seed + 2, len(HOSTS), args.sessions)
-            kill_at, killed = args.seconds / 2, 2
+            warm = args.session_warmup
+            plan = arrivals(0.8 * capacity, warm + args.seconds, args.seed + 2, len(HOSTS),
+                            args.sessions)
+            kill_at, killed = warm + args.seconds / 2, 2
             f.reset()
             flight = InFlight(f.urls, [h.slots for h in HOSTS])
             bands = Bands(f.sockets)
@@ -386,15 +395,17 @@ def main() -> int:
             time.sleep(max(0.0, start + kill_at - time.monotonic()))
             flight.drop(killed)
             f.kill(killed)
-            rows = f.result(load, args.seconds + 600)
+            rows = f.result(load, warm + args.seconds + 600)
             flight.stop()
             widths = bands.stop(start)
-            fig = session_figures(rows, kill_at, HOSTS[killed].name)
-            over = dict(zip(HOST_NAMES, flight.occupancy(start, kill_at), strict=True))
+            fig = session_figures(rows, kill_at, HOSTS[killed].name, warm)
+            over = dict(zip(HOST_NAMES, flight.occupancy(start, kill_at, warm), strict=True))
             out["runs"].append({"sessions": args.sessions, "kill_at": kill_at, "rows": rows,
-                                "figures": fig, "occupancy": over})
+                                "figures": fig, "occupancy": over, "session_warmup": warm})
             print(f"\nsessions: {args.sessions} (Zipf), 80% load, loadmesh; {HOSTS[killed].name} "
-                  f"killed at t={kill_at:g} s\n"
+                  f"killed at t={kill_at:g} s"
+                  + (f" (the figures from t={warm:g} s, after the same sessions' warm-up)"
+                     if warm else "") + "\n"
                   f"  requests on their session's host {fig['sticky']:.1%}; two entries within "
                   f"1 s agree {fmt_pct(fig['agree'])} ({fig['pairs']} pairs)\n"
                   f"  share of the requests in flight / share of the slots, before the kill: "
