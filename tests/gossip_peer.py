@@ -9,6 +9,7 @@ import time
 from loadmesh.gossip import wire
 from loadmesh.gossip.keyring import Keyring
 from loadmesh.gossip.membership import Addr
+from loadmesh.gossip.snapshot import decode
 from loadmesh.gossip.wire import Kind
 
 
@@ -99,7 +100,22 @@ def routine(data: bytes) -> bool:
     """Whether an agent sends a live peer this datagram on its own initiative, answer to
     nothing the peer sent but its own gossip: a round (gossip; its first datagram asks for
     the push-pull reply, which is gossip too), a push-pull or dead sync (a sync asking for
-    one), or SWIM's probing (a ping of it, a ping-req asking it to ping another). Answers
-    to a sync, pull or ping are syncs without the flag, pulls, content, acks."""
+    one), SWIM's probing (a ping of it, a ping-req asking it to ping another), or the push
+    of its own new version to a few peers (content whose records are all the sender's own).
+    Answers to a sync, pull or ping are syncs without the flag, pulls, acks, and content
+    about other nodes."""
     kind, flags = data[wire.KIND_AT], data[wire.FLAGS_AT]
+    if kind == Kind.CONTENT:
+        return _own_push(wire.open_datagram(data, None, wire.MAX_SINGLE_RECORD_DATAGRAM))
     return kind in (Kind.GOSSIP, Kind.PING, Kind.PING_REQ) or (kind == Kind.SYNC and flags & wire.FLAG_REPLY)
+
+
+def _own_push(dg: wire.Datagram) -> bool:
+    records, bad = wire.unpack_content(dg.body)
+    return not bad and bool(records) and all(_record_key(r) == dg.sender for r in records)
+
+
+def _record_key(record: wire.Record) -> int:
+    if isinstance(record, wire.DeltaRecord):
+        return record.key
+    return wire.node_key(decode(record.content).node_id)
