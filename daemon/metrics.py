@@ -13,6 +13,7 @@ Names follow the Prometheus conventions: base units (seconds, bytes, ratios of 0
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -353,4 +354,15 @@ class AgentCollector(Collector):
                 model = self._model(names.get(mid, f"{mid:016x}"))
                 if model != OTHER:  # a share of one model's sessions: not summed
                     passed.add_metric([model], width)
-        yield from (decisions, feedback, passed)
+        heavy = GaugeMetricFamily(
+            "loadmesh_heavy_sessions", "Heavy sessions of a model as this node places them "
+            "(docs/routing.md), on this node (self) or on its peers.", labels=["model", "on"])
+        names = self.agent.snapshot.model_names()
+        counts: Counter[tuple[str, str]] = Counter()
+        for mid, hosts in routing.router.heavy.models().items():
+            model = self._model(names.get(mid, f"{mid:016x}"))
+            for host in hosts.values():
+                counts[model, "self" if host == routing.node_id else "peers"] += 1
+        for (model, on), n in sorted(counts.items()):
+            heavy.add_metric([model, on], n)
+        yield from (decisions, feedback, passed, heavy)

@@ -81,6 +81,9 @@ class RoutingComponent:
         # The router decides this node's bands of passed-on sessions; the snapshot carries
         # them to every host. Through self.router: a reload replaces it.
         snapshot.publish_bands(lambda model_id: self.router.band(model_id))
+        # And the busiest sessions routed here, which every host sums to find the heavy
+        # ones (daemon/routing/heavy.py).
+        snapshot.publish_sessions(lambda: self.router.busiest(now_ms()))
 
     async def start(self) -> None:
         self._started_wall_ms = wall_ms()

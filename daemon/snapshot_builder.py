@@ -33,6 +33,7 @@ from loadmesh.gossip.snapshot import (
     HostLoad,
     LoadSnapshot,
     ModelLoad,
+    SessionRates,
     wire_score,
 )
 
@@ -159,13 +160,18 @@ class SnapshotBuilder:
         listed: Mapping[int, Collection[int]] | None = None,
         bands: Callable[[int], tuple[float, float]] | None = None,
         outrun: int = 0,
+        sessions: Sequence[SessionRates] = (),
     ) -> tuple[LoadSnapshot, bool, bool]:
         """(snapshot to publish, whether its version is new, whether peers need it now).
         listed: port -> the model_ids its server lists (daemon/model_list.py); those
         without traffic yet get an entry with none, so that peers know this node serves
         them. bands: model_id -> this node's band of passed-on sessions, (start, width)
         (daemon/routing/shed.py). outrun: the highest version of this node that peers
-        hold; at or above this node's next one, the next version goes above it at once."""
+        hold; at or above this node's next one, the next version goes above it at once.
+        sessions: the busiest sessions routed here per model (daemon/routing/heavy.py);
+        they ride with the versions that other figures make (a heartbeat at the least):
+        a session is heavy for many seconds, and a version per change of a rate would
+        cost every peer a datagram."""
         loads = [_model_load(m) for m in models]
         seen = {m.key for m in loads}
         for port, ids in (listed or {}).items():
@@ -195,6 +201,7 @@ class SnapshotBuilder:
             host=host,
             gpus=tuple(gpus),
             models=tuple(loads),
+            sessions=tuple(sessions),
         )
         change = self._detector.compare(self._published, candidate)
         if outrun >= candidate.version:

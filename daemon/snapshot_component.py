@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from loadmesh.daemon.snapshot_builder import SnapshotBuilder
 from loadmesh.daemon.snapshot_view import snapshot_json
 from loadmesh.daemon.state_files import BadStateFile, flag_set, set_flag
 from loadmesh.daemon.versioning import ChangeDetector, Deadbands, VersionClock, VersionStore
-from loadmesh.gossip.snapshot import Endpoint, LoadSnapshot
+from loadmesh.gossip.snapshot import Endpoint, LoadSnapshot, SessionRates
 
 log = logs.get("snapshot")
 
@@ -88,6 +88,7 @@ class SnapshotComponent:
         self._lister: ModelLister | None = None
         self._listing: asyncio.Task[None] | None = None
         self._bands: Callable[[int], tuple[float, float]] | None = None
+        self._sessions: Callable[[], Sequence[SessionRates]] | None = None
         self._outrun: Callable[[], int] = lambda: 0
         self._confirmed_ms: int | None = None
         self._ticked = 0.0
@@ -103,6 +104,11 @@ class SnapshotComponent:
         """Put `bands(model_id)`, this node's band of passed-on sessions for the model
         (daemon/routing/shed.py), in each snapshot."""
         self._bands = bands
+
+    def publish_sessions(self, sessions: Callable[[], Sequence[SessionRates]]) -> None:
+        """Put `sessions()`, the busiest sessions routed at this node per model, in each
+        snapshot."""
+        self._sessions = sessions
 
     def outrun(self, newest_seen: Callable[[], int]) -> None:
         """`newest_seen()`: the highest version of this node that peers hold; each
@@ -251,7 +257,8 @@ class SnapshotComponent:
         # than a worker thread's hand-off four times a second would cost (docs/gossip.md,
         # "The snapshot's build on the loop").
         snap, changed, urgent = self._builder.build(self._host.sample(), gpus, figures, self.draining,
-                                                    listed, self._bands, outrun)
+                                                    listed, self._bands, outrun,
+                                                    self._sessions() if self._sessions else ())
         self._confirmed_ms = read_ms if read_ms is not None else int(self._ticked * 1000)
         self._built = time.monotonic()
         if changed:

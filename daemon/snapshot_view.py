@@ -87,6 +87,14 @@ def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],
             }
             for m in snap.models
         ],
+        "busiest_sessions": [
+            {
+                "model": _model_name(model_names, k.model_id),
+                "model_id": f"{k.model_id:016x}",
+                "sessions": [{"key": f"{key:08x}", "rps": rps} for key, rps in k.sessions],
+            }
+            for k in snap.sessions
+        ],
     }
     if inputs is not None:
         out["score_inputs"] = score_inputs_json(inputs, model_names)

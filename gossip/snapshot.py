@@ -23,8 +23,10 @@ The top level is a map with one-letter keys::
                    p99 0.1 ms*, in_flight*, waiting*, running*, ttft_p99 0.1 ms*,
                    itl_p99 0.1 ms*, tokens/s 0.1*, pace 0.1 ms*, shed_start 1/10000,
                    shed_width 1/10000], ...]
+    "k": sessions, [[model_id u64, session key u32, rps 1/100**, ...], ...]; absent when
+         empty (a node that routes no sessions, or an older writer)
 
-A figure marked * is held to DIGITS (3) significant decimal digits and sent as its log
+A figure marked * is held to DIGITS (3) significant decimal digits (** to 2) and sent as its log
 code (_log_code): the count of units itself below 1000, one code per mantissa above, so
 that a figure moving by a few percent moves its code by a few units and a delta carries
 it in one byte (gossip/delta.py). docs/snapshot.md says why each figure has its precision.
@@ -73,6 +75,12 @@ MAX_RPS = 10_000_000.0
 MAX_LATENCY_MS = 3_600_000.0
 MAX_IN_FLIGHT = 2**32 - 1
 MAX_TOKENS_PER_S = 100_000_000.0
+# Sessions: the busiest few per model, of the models with the most session traffic. The
+# bound on sessions' load needs only the sessions that are a large part of a host
+# (daemon/routing/heavy.py): fewer than 8 per model at a fleet's smallest host.
+MAX_SESSION_MODELS = 8
+MAX_SESSIONS = 8
+SESSION_KEY_BITS = 32
 # No snapshot within the bounds above encodes to more (the worst case is tested), so the
 # decoder refuses longer input before unpacking anything.
 MAX_ENCODED_BYTES = 12288
@@ -423,6 +431,65 @@ class ModelLoad(_Record):
         return (self.model_id, self.port)
 
 
+_SESSION_MODEL = _Field("model_id", "int", hi=2**64 - 1)
+_SESSION_KEY = _Field("session", "int", hi=2**SESSION_KEY_BITS - 1)
+_SESSION_RPS = _Field("rps", "fixed", hi=MAX_RPS, scale=100, digits=2)
+
+
+@dataclass(frozen=True)
+class SessionRates:
+    """The busiest sessions of one model among the requests routed at this node: each as
+    (key, requests per second), its key the high 32 bits of the session's ring hash
+    (daemon/routing/ring.hash64), sorted by key. Every node sums its peers' figures for a
+    session into the fleet's (daemon/routing/heavy.py). Two significant digits: a session
+    is heavy or not by a quarter of a host's share, so a figure moving by a few percent
+    need not travel. 32-bit keys: among the few dozen sessions heavy at once, two that
+    share one are a 2**-22 chance, and a client that chose its session names to collide
+    only sums its own sessions' figures."""
+
+    model_id: int
+    sessions: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        where = "SessionRates"
+        object.__setattr__(self, "model_id", _check(_SESSION_MODEL, self.model_id, where))
+        if not isinstance(self.sessions, (list, tuple)):
+            raise SnapshotError(f"{where}.sessions: expected a sequence, got {type(self.sessions).__name__}")
+        pairs = []
+        for pair in self.sessions:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise SnapshotError(f"{where}.sessions: expected (key, rps) pairs, got {pair!r}")
+            pairs.append((_check(_SESSION_KEY, pair[0], where), _check(_SESSION_RPS, pair[1], where)))
+        object.__setattr__(self, "sessions", _sessions_in_order(pairs))
+
+    def to_wire(self) -> list[Any]:
+        out: list[Any] = [self.model_id]
+        for key, rps in self.sessions:
+            out += (key, _to_wire(_SESSION_RPS, rps))
+        return out
+
+    @classmethod
+    def from_wire(cls, raw: object) -> SessionRates:
+        where = "SessionRates"
+        if not isinstance(raw, list) or len(raw) % 2 != 1:
+            raise SnapshotError(f"{where}: expected an array of a model id and (key, rps) pairs")
+        if len(raw) // 2 > MAX_SESSIONS:
+            raise SnapshotError(f"{where}: {len(raw) // 2} sessions, at most {MAX_SESSIONS}")
+        key, rps = _SESSION_KEY.decoder, _SESSION_RPS.decoder
+        record: SessionRates = object.__new__(cls)
+        record.__dict__.update(
+            model_id=_SESSION_MODEL.decoder(raw[0], where),
+            sessions=_sessions_in_order([(key(raw[i], where), rps(raw[i + 1], where))
+                                         for i in range(1, len(raw), 2)]))
+        return record
+
+
+def _sessions_in_order(pairs: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    if len(pairs) > MAX_SESSIONS:
+        raise SnapshotError(f"SessionRates.sessions: {len(pairs)} entries, at most {MAX_SESSIONS}")
+    return _unique_sorted(pairs, operator.itemgetter(0), "sessions")
+
+
 _NODE_ID = _Field("node_id", "str", lo=1, hi=MAX_NODE_ID_BYTES)
 _VERSION = _Field("version", "int", hi=MAX_CLOCK)
 _TIMESTAMP = _Field("timestamp_ms", "int", hi=MAX_CLOCK)
@@ -438,6 +505,7 @@ def wire_score(score: float) -> float:
 _ENDPOINT_KEY = operator.attrgetter("host", "port")
 _GPU_KEY = operator.attrgetter("index")
 _MODEL_KEY = operator.attrgetter("model_id", "port")
+_SESSIONS_KEY = operator.attrgetter("model_id")
 
 
 def _unique_sorted(items: Sequence[Any], key: Any, name: str) -> tuple[Any, ...]:
@@ -460,13 +528,15 @@ class LoadSnapshot:
     host: HostLoad
     gpus: tuple[GpuLoad, ...]
     models: tuple[ModelLoad, ...]
+    sessions: tuple[SessionRates, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.state, NodeState):
             raise SnapshotError(f"LoadSnapshot.state: expected NodeState, got {type(self.state).__name__}")
         if not isinstance(self.host, HostLoad):
             raise SnapshotError(f"LoadSnapshot.host: expected HostLoad, got {type(self.host).__name__}")
-        for name, cls in (("endpoints", Endpoint), ("gpus", GpuLoad), ("models", ModelLoad)):
+        for name, cls in (("endpoints", Endpoint), ("gpus", GpuLoad), ("models", ModelLoad),
+                          ("sessions", SessionRates)):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)):
                 raise SnapshotError(f"LoadSnapshot.{name}: expected a sequence, got {type(value).__name__}")
@@ -482,7 +552,8 @@ class LoadSnapshot:
         for spec in (_NODE_ID, _VERSION, _TIMESTAMP, _SCORE):
             fields[spec.name] = _check(spec, fields[spec.name], "LoadSnapshot")
         for name, limit, key in (("endpoints", MAX_ENDPOINTS, _ENDPOINT_KEY), ("gpus", MAX_GPUS, _GPU_KEY),
-                                 ("models", MAX_MODELS, _MODEL_KEY)):
+                                 ("models", MAX_MODELS, _MODEL_KEY),
+                                 ("sessions", MAX_SESSION_MODELS, _SESSIONS_KEY)):
             value = fields[name]
             if len(value) > limit:
                 raise SnapshotError(f"LoadSnapshot.{name}: {len(value)} entries, at most {limit}")
@@ -490,21 +561,21 @@ class LoadSnapshot:
 
 
 def encode(snap: LoadSnapshot) -> bytes:
-    data: bytes = msgpack.packb(
-        {
-            "f": FORMAT_VERSION,
-            "n": snap.node_id,
-            "e": [e.to_wire() for e in snap.endpoints],
-            "v": snap.version,
-            "t": snap.timestamp_ms,
-            "s": _STATE_CODES[snap.state],
-            "l": _to_wire(_SCORE, snap.score),
-            "h": snap.host.to_wire(),
-            "g": [g.to_wire() for g in snap.gpus],
-            "m": [m.to_wire() for m in snap.models],
-        },
-        use_bin_type=True,
-    )
+    top = {
+        "f": FORMAT_VERSION,
+        "n": snap.node_id,
+        "e": [e.to_wire() for e in snap.endpoints],
+        "v": snap.version,
+        "t": snap.timestamp_ms,
+        "s": _STATE_CODES[snap.state],
+        "l": _to_wire(_SCORE, snap.score),
+        "h": snap.host.to_wire(),
+        "g": [g.to_wire() for g in snap.gpus],
+        "m": [m.to_wire() for m in snap.models],
+    }
+    if snap.sessions:
+        top["k"] = [k.to_wire() for k in snap.sessions]
+    data: bytes = msgpack.packb(top, use_bin_type=True)
     return data
 
 
@@ -530,9 +601,12 @@ def decode(data: bytes) -> LoadSnapshot:
         raise SnapshotError(f"unsupported format version {fmt!r}")
     if not _is_int(top["s"]) or top["s"] not in _CODE_STATES:
         raise SnapshotError(f"unknown state {top['s']!r}")
-    for key in "egm":
-        if not isinstance(top[key], list):
-            raise SnapshotError(f"{key!r}: expected array, got {type(top[key]).__name__}")
+    sessions = top.get("k", ())
+    for key, value in (("e", top["e"]), ("g", top["g"]), ("m", top["m"]), ("k", sessions)):
+        if not isinstance(value, (list, tuple)):
+            raise SnapshotError(f"{key!r}: expected array, got {type(value).__name__}")
+    if len(sessions) > MAX_SESSION_MODELS:
+        raise SnapshotError(f"'k': {len(sessions)} models, at most {MAX_SESSION_MODELS}")
     # Made as the dataclass's __init__ would, less its checks of the records' classes
     # (from_wire made them): 20.6 us a reference snapshot, 23.1 through __init__ (every
     # node decodes every version of every peer: scripts/bench_agent_cpu.py).
@@ -547,6 +621,7 @@ def decode(data: bytes) -> LoadSnapshot:
         host=HostLoad.from_wire(top["h"]),
         gpus=[GpuLoad.from_wire(g) for g in top["g"]],
         models=[ModelLoad.from_wire(m) for m in top["m"]],
+        sessions=[SessionRates.from_wire(k) for k in sessions],
     )
     snap._settle()
     return snap

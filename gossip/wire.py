@@ -130,7 +130,7 @@ INCARNATION_EPOCH_MS = 1_735_689_600_000  # 2025-01-01T00:00:00Z
 STATUS_ALIVE, STATUS_SUSPECT, STATUS_ACCUSED, STATUS_DEAD = range(4)
 MAX_U64 = 2**64 - 1
 MAX_U32 = 2**32 - 1
-# A snapshot near its largest (7,779 bytes with every field at its bound) cannot fit a 1400-byte datagram; it travels alone
+# A snapshot near its largest (8,390 bytes with every field at its bound) cannot fit a 1400-byte datagram; it travels alone
 # in a datagram up to this size and relies on IP fragmentation. Nothing else may be larger
 # than max_datagram.
 MAX_SINGLE_RECORD_DATAGRAM = 8192 + 256

@@ -147,7 +147,9 @@ def _agent_view() -> SimpleNamespace:
         gossip=SimpleNamespace(service=SimpleNamespace(peers=lambda: peers, counters=lambda: counters,
                                                        table_bytes=lambda: 4321, probe_delivery=lambda: 0.64)),
         routing=SimpleNamespace(decisions={("routed", "session"): 5, ("no_peer", "unknown_model"): 1},
-                                feedback={"ok": 4}),
+                                feedback={"ok": 4}, node_id="n1",
+                                router=SimpleNamespace(heavy=SimpleNamespace(models=lambda: {
+                                    model_id("llama"): {1: "n1", 2: "n2", 3: "n3"}}))),
         reloader=SimpleNamespace(last_ok=False, last_success_s=1700000000.0))
 
 
@@ -217,6 +219,8 @@ def test_every_family_reads_the_agents_state_in_base_units() -> None:
                  reason="unknown_model") == 1
     assert value(s, "loadmesh_route_feedback_total", outcome="ok") == 4
     assert value(s, "loadmesh_sessions_passed_on", model="llama") == 0.25
+    assert value(s, "loadmesh_heavy_sessions", model="llama", on="self") == 1
+    assert value(s, "loadmesh_heavy_sessions", model="llama", on="peers") == 2
     assert value(s, "loadmesh_config_last_reload_successful") == 0
 
 

@@ -49,6 +49,9 @@ class Snapshot:
     def publish_bands(self, _: Any) -> None:
         pass
 
+    def publish_sessions(self, _: Any) -> None:
+        pass
+
 
 def component(views: dict[str, PeerView], confirmed_ms: int, **config: Any) -> RoutingComponent:
     own = views["n0"].snapshot

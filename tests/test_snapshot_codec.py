@@ -13,12 +13,15 @@ from loadmesh.gossip.snapshot import (
     MAX_ENCODED_BYTES,
     MAX_GPUS,
     MAX_MODELS,
+    MAX_SESSION_MODELS,
+    MAX_SESSIONS,
     Endpoint,
     GpuLoad,
     HostLoad,
     LoadSnapshot,
     ModelLoad,
     NodeState,
+    SessionRates,
     SnapshotError,
     decode,
     encode,
@@ -73,6 +76,12 @@ models = st.builds(
     itl_p99_ms=_num(3.6e6),
     tokens_per_s=_num(1e8),
 )
+session_rates = st.builds(
+    SessionRates,
+    model_id=st.integers(0, 2**64 - 1),
+    sessions=st.lists(st.tuples(st.integers(0, 2**32 - 1), _num(1e7)), max_size=MAX_SESSIONS,
+                      unique_by=lambda pair: pair[0]),
+)
 snapshots = st.builds(
     LoadSnapshot,
     node_id=_text(128),
@@ -84,12 +93,14 @@ snapshots = st.builds(
     host=hosts,
     gpus=st.lists(gpus, max_size=MAX_GPUS, unique_by=lambda g: g.index),
     models=st.lists(models, max_size=MAX_MODELS, unique_by=lambda m: m.key),
+    sessions=st.lists(session_rates, max_size=MAX_SESSION_MODELS, unique_by=lambda k: k.model_id),
 )
 
 
-def typical(n_gpus: int = 8, n_models: int = 4) -> LoadSnapshot:
+def typical(n_gpus: int = 8, n_models: int = 4, n_sessions: int = 0) -> LoadSnapshot:
     """A busy 8-GPU host serving 4 models on 4 ports, each figure as wide on the wire as
-    it gets in practice: millisecond clocks, 140 GB GPUs, 2 TB of RAM, 64-bit model ids."""
+    it gets in practice: millisecond clocks, 140 GB GPUs, 2 TB of RAM, 64-bit model ids;
+    with n_sessions, that many sessions' rates per model."""
     return LoadSnapshot(
         node_id="gpu-node-0042.dc1.example.net",
         endpoints=[Endpoint("10.120.33.142", 8000 + i) for i in range(n_models)],
@@ -106,6 +117,9 @@ def typical(n_gpus: int = 8, n_models: int = 4) -> LoadSnapshot:
                       tokens_per_s=5432.1)
             for i in range(n_models)
         ],
+        sessions=[SessionRates(0xCBF29CE484222325 ^ (i * 0x100000001B3),
+                               [(0x9E3779B9 * (j + 1) % 2**32, 12.3 / (j + 1)) for j in range(n_sessions)])
+                  for i in range(n_models if n_sessions else 0)],
     )
 
 
@@ -127,7 +141,7 @@ def test_round_trip(snap: LoadSnapshot) -> None:
     assert encode(decode(data)) == data
     # Figures are held quantized: building the snapshot again from them changes nothing.
     again = replace(snap, host=replace(snap.host), gpus=[replace(g) for g in snap.gpus],
-                    models=[replace(m) for m in snap.models])
+                    models=[replace(m) for m in snap.models], sessions=[replace(k) for k in snap.sessions])
     assert again == snap
     assert encode(again) == data
 
@@ -152,6 +166,8 @@ def test_largest_possible_snapshot_fits_decoder_limit() -> None:
         ],
         models=[ModelLoad(2**64 - 1 - i, 65535, 1e7, 1.0, 3.6e6, 3.6e6, 2**32 - 1, 2**32 - 1,
                           2**32 - 1, 3.6e6, 3.6e6, 1e8) for i in range(64)],
+        sessions=[SessionRates(2**64 - 1 - i, [(2**32 - 1 - j, 1e7) for j in range(MAX_SESSIONS)])
+                  for i in range(MAX_SESSION_MODELS)],
     )
     data = encode(biggest)
     assert len(data) <= MAX_ENCODED_BYTES
@@ -305,6 +321,14 @@ BAD = {
     "host as a map": lambda w: w.update(h={"c": 1}),
     "GPUs as a map": lambda w: w.update(g={}),
     "only unknown keys": lambda w: (w.clear(), w.update(x=1)),
+    "sessions as a map": lambda w: w.update(k={}),
+    "too many sessions' models": lambda w: w.update(k=[[i, 1, 1] for i in range(MAX_SESSION_MODELS + 1)]),
+    "too many sessions": lambda w: w.update(k=[[1, *range(2 * MAX_SESSIONS + 2)]]),
+    "duplicate session": lambda w: w.update(k=[[1, 5, 1, 5, 2]]),
+    "duplicate sessions' model": lambda w: w.update(k=[[1, 5, 1], [1, 6, 1]]),
+    "session key past 32 bits": lambda w: w.update(k=[[1, 2**32, 1]]),
+    "session without its rate": lambda w: w.update(k=[[1, 5]]),
+    "session rate as a float": lambda w: w.update(k=[[1, 5, 1.5]]),
 }
 
 
@@ -408,7 +432,7 @@ def test_any_bytes_decode_cleanly(data: bytes) -> None:
 @settings(max_examples=500)
 @given(st.data())
 def test_corrupted_snapshots_decode_cleanly(data: st.DataObject) -> None:
-    raw = bytearray(encode(typical()))
+    raw = bytearray(encode(typical(n_sessions=data.draw(st.sampled_from([0, 8])))))
     for _ in range(data.draw(st.integers(1, 4))):
         raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
     _decodes_cleanly(bytes(raw[: data.draw(st.integers(0, len(raw)))]))
@@ -431,7 +455,7 @@ msgpack_values = st.recursive(
 def test_junk_in_any_field_decodes_cleanly(data: st.DataObject) -> None:
     # Junk goes into slots of a valid wire map, at any depth, so that it reaches each
     # field's checks instead of failing at the first structural one.
-    w = wire(typical(data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))))
+    w = wire(typical(data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))))
     for _ in range(data.draw(st.integers(1, 3))):
         slot: dict | list = w
         key: object = data.draw(st.sampled_from(sorted(w)))

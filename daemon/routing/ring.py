@@ -46,10 +46,14 @@ class HashRing:
     def walk(self, key: str) -> Iterator[str]:
         """Every node once, clockwise from the key's point: its owner first, then where
         the key goes if that one cannot take it, and so on."""
+        return self.walk_from(hash64(key))
+
+    def walk_from(self, point: int) -> Iterator[str]:
+        """walk() from a point of the ring."""
         size = len(self._hashes)
         if not size:
             return
-        start = bisect_left(self._hashes, hash64(key))
+        start = bisect_left(self._hashes, point)
         seen: set[str] = set()
         for i in range(start, start + size):
             owner = self._owners[i % size]

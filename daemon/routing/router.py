@@ -37,6 +37,7 @@ A Router is not thread-safe: the agent calls it from its event loop only.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter
@@ -56,11 +57,12 @@ from loadmesh.daemon.routing.candidates import (
     refigure,
     static_model_ids,
 )
+from loadmesh.daemon.routing.heavy import HeavySessions
 from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
 from loadmesh.daemon.routing.reasons import Reason
 from loadmesh.daemon.routing.ring import HashRing, hash64
 from loadmesh.daemon.routing.shed import Seat, Shedding, passes_on
-from loadmesh.gossip.snapshot import NodeState
+from loadmesh.gossip.snapshot import MAX_SESSION_MODELS, MAX_SESSIONS, SESSION_KEY_BITS, NodeState, SessionRates
 from loadmesh.model_id import model_id
 
 Outcome = Literal["ok", "error", "timeout"]
@@ -94,6 +96,12 @@ _FIGURES_SPACING = 499
 # sampling them at every update (100 ms) learnt nothing more, and at 1000 peers the list
 # of their loads cost 0.54 ms an update where sessions are routed (0.5% of a core).
 _SHED_EVERY_MS = 250
+# How often the heavy sessions are placed again (heavy.py): a session is heavy for many
+# seconds, and a placed host that stops being usable is skipped at once, per request. At
+# 1000 peers each publishing 8 sessions, summing their rates takes milliseconds.
+_PLACE_EVERY_MS = 1000
+# A session's key on the wire: the high bits of its point on the ring.
+_KEY_SHIFT = 64 - SESSION_KEY_BITS
 
 # A peer's cause of being unusable (NoCandidate.counts), and the answer's reason when
 # every peer has that one.
@@ -195,6 +203,8 @@ class Router:
         self._share = OwnShare(round(c.own_share_half_life_s * 1000), c.own_share_cap)
         self._fleet_rps = 0.0
         self._shed_ms: int | None = None  # when the bands last took in the loads
+        self.heavy = HeavySessions()
+        self._placed_ms: int | None = None  # when the heavy sessions were last placed
 
     def update(self, peers: Sequence[PeerInput], now_ms: int, complete: bool = True) -> None:
         """Take the table's rows: all of them (complete: a peer not among them is gone),
@@ -299,9 +309,9 @@ class Router:
                     and p.breaker.allows(now_ms))
 
         if session is not None:
-            self.shedding.saw_session(entry.model_id, now_ms)
-        if session is not None and entry.candidates:
-            by_ring = self._by_session(entry, session, usable)
+            point = hash64(session)
+            self.shedding.saw_session(entry.model_id, point >> _KEY_SHIFT, now_ms)
+            by_ring = self._by_session(entry, session, point, usable) if entry.candidates else None
             if by_ring is not None:
                 return self._decide(*by_ring, now_ms)
 
@@ -381,17 +391,56 @@ class Router:
                                gone=len(entry.known) - len(entry.candidates),
                                guests=any(c.band[1] > 0 for c in entry.candidates if c is not own))
         self.shedding.forget_except(served)
+        if self._placed_ms is None or now_ms - self._placed_ms >= _PLACE_EVERY_MS:
+            self._placed_ms = now_ms
+            self._place_heavy()
 
-    def _by_session(self, entry: ModelCandidates, session: str,
-                    usable: _Usable) -> tuple[list[Candidate], Reason] | None:
-        """The first usable peer along the ring that keeps the session, with the next
-        usable ones as alternatives; when every one passes it on, spill()'s; None when
-        none is usable. Only what the snapshots publish decides (the peers, their bands
-        and loads), so every host holding the same snapshots makes the same choice."""
+    def _place_heavy(self) -> None:
+        """Places each model's heavy sessions (heavy.py) from the rates its peers publish."""
+        rates: dict[int, dict[int, float]] = {}
+        for peer in self._peers.values():
+            if peer.alive:
+                for model in peer.snapshot.sessions:
+                    summed = rates.setdefault(model.model_id, {})
+                    for key, rps in model.sessions:
+                        summed[key] = summed.get(key, 0.0) + rps
+        self.heavy.forget_except(set(rates))
+        self.shedding.counts.forget_except(set(self._models))
+        for mid, summed in rates.items():
+            entry = self._models.get(mid)
+            if entry is None:
+                continue
+            total = sum(entry.ring.values())
+            rps = sum(m.rps for c in entry.candidates for m in c.peer.snapshot.models if m.model_id == mid)
+            ring = self._ring(entry)
+            self.heavy.place(mid, summed, rps, {n: k / total for n, k in entry.ring.items()},
+                             entry.by_node.keys(), lambda key: ring.walk_from(key << _KEY_SHIFT))
+
+    def busiest(self, now_ms: int) -> tuple[SessionRates, ...]:
+        """The busiest sessions routed here, per model, for this node's snapshot."""
+        return tuple(SessionRates(mid, top) for mid, top in
+                     self.shedding.counts.busiest(MAX_SESSIONS, MAX_SESSION_MODELS, now_ms).items())
+
+    def _ring(self, entry: ModelCandidates) -> HashRing:
         ring = self._rings.get(entry.model_id)
         if ring is None:
             ring = self._rings[entry.model_id] = HashRing(entry.ring)
+        return ring
+
+    def _by_session(self, entry: ModelCandidates, session: str, point: int,
+                    usable: _Usable) -> tuple[list[Candidate], Reason] | None:
+        """A heavy session's host (heavy.py) where it is usable; else the first usable
+        peer along the ring that keeps the session, with the next usable ones as
+        alternatives; when every one passes it on, spill()'s; None when none is usable.
+        Only what the snapshots publish decides (the peers, their bands and loads, the
+        sessions' rates), so every host holding the same snapshots makes the same choice."""
+        ring = self._ring(entry)
         want = self.config.alternatives
+        placed = self.heavy.host(entry.model_id, point >> _KEY_SHIFT)
+        if placed is not None and (host := entry.by_node.get(placed)) is not None and usable(host):
+            walk = (entry.by_node.get(n) for n in ring.walk_from(point))
+            rest = itertools.islice((c for c in walk if c is not None and c is not host and usable(c)), want)
+            return [host, *rest], Reason.SESSION_HEAVY
         chosen: Candidate | None = None
         passed: list[Candidate] = []
         alternatives: list[Candidate] = []
@@ -401,7 +450,7 @@ class Router:
         # a lost host's sessions with those a live peer passed on long before (and moved
         # both when it grew over them).
         orphan = False
-        for node_id in ring.walk(session):
+        for node_id in ring.walk_from(point):
             owner = owner or node_id
             c = entry.by_node.get(node_id)
             if c is None or not usable(c):

@@ -123,6 +123,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from loadmesh.daemon.routing.ring import hash64
+from loadmesh.daemon.routing.session_counts import SessionCounts
+from loadmesh.gossip.snapshot import MAX_MODELS
 
 GUESTS = 0.1
 ORPHANS = 0.05
@@ -197,10 +199,12 @@ class Shedding:
         self.epsilon = epsilon
         self._bands: dict[int, _Band] = {}
         self._sessions_ms: dict[int, int] = {}
+        self.counts = SessionCounts(MAX_MODELS)
 
-    def saw_session(self, model_id: int, now_ms: int) -> None:
-        """This host answered a request of a session for the model."""
+    def saw_session(self, model_id: int, session: int, now_ms: int) -> None:
+        """This host answered a request of a session (its key) for the model."""
         self._sessions_ms[model_id] = now_ms
+        self.counts.saw(model_id, session, now_ms)
 
     def watching(self, model_id: int, now_ms: int) -> bool:
         """Whether this host answered a session of the model within _QUIET_MS: if not,

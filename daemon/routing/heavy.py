@@ -1,0 +1,131 @@
+"""Heavy sessions: those that are a large part of a host's share of a model's requests,
+placed on hosts by every node alike, from figures every node holds.
+
+A band (shed.py) moves sessions by their coins, blind to their weight. A session that is
+most of a small host's share moves whole: the fleet bench's busiest session, 16-17% of
+the requests where the small host's share is 12.5%, overloaded every host that took it,
+whose band then passed it on in turn; after the sessions' cold start the bands only grew,
+the loads swung between 0.05 and 3-4 times a host's share with a period of 10-15 s, and
+74-85% of a session's requests stayed on its host (docs/routing.md). Kept by its ring
+owner whatever the owner's band, judged heavy by each node from the requests it routed
+itself, such sessions stayed put (85-95%), but nodes near the mark judged differently and
+agreed on a session's host 93-95% of the time. So the judgment is made from the fleet's
+figures: each node publishes the request rates of the busiest sessions it routed
+(gossip/snapshot.SessionRates), and every node sums them.
+
+A session is heavy once its rate is ENTER of the smallest candidate's share of the model's
+requests (the candidates' rps, in their snapshots), and stays heavy down to LEAVE. Shares
+are the ring's weights (candidates.ring_points), which every node computes alike. The
+heavy sessions are placed busiest first, each on the first candidate along its ring whose
+heavy sessions, with it, stay within ROOM of its share; where none has room, on the one
+with the most left (the first such along its ring). So a heavy session stays with its ring
+owner while that has room, and the busiest goes to a large host: on a host of half the
+share it would be most of its load alone. The rest of the host's share is for the light
+sessions, which its band bounds as before; it counts the heavy ones' load like any.
+
+Rates are compared in steps of 2**(1/4) (19%): a figure's noise moves a placement only
+where it crosses a step. Each node recomputes the placement from the same snapshots, so
+nodes disagree only while a change that moves a placement has reached some and not others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Collection, Iterable, Mapping
+
+ENTER = 0.25
+LEAVE = 0.15
+ROOM = 0.5
+# Bounds on the work of a placement, whatever the peers publish: the busiest MAX_HEAVY
+# sessions of a model are placed, each among the first MAX_WALK peers along its ring.
+MAX_HEAVY = 64
+MAX_WALK = 8
+_STEPS_PER_DOUBLING = 4
+
+
+def quantized(share: float) -> float:
+    """share rounded to its step (2**(1/4) apart); 0 stays 0."""
+    if share <= 0:
+        return 0.0
+    return 2.0 ** (round(math.log2(share) * _STEPS_PER_DOUBLING) / _STEPS_PER_DOUBLING)
+
+
+class HeavySessions:
+    """Per model, the heavy sessions (by key) and the host placed for each."""
+
+    def __init__(self) -> None:
+        self._heavy: dict[int, set[int]] = {}
+        self._hosts: dict[int, dict[int, str]] = {}
+
+    def host(self, model_id: int, session: int) -> str | None:
+        hosts = self._hosts.get(model_id)
+        return None if hosts is None else hosts.get(session)
+
+    def placed(self, model_id: int) -> Mapping[int, str]:
+        return self._hosts.get(model_id, {})
+
+    def models(self) -> Mapping[int, Mapping[int, str]]:
+        """model_id -> session key -> its host."""
+        return self._hosts
+
+    def forget_except(self, model_ids: set[int]) -> None:
+        for gone in self._heavy.keys() - model_ids:
+            del self._heavy[gone]
+        for gone in self._hosts.keys() - model_ids:
+            del self._hosts[gone]
+
+    def place(self, model_id: int, rates: Mapping[int, float], rps: float,
+              shares: Mapping[str, float], usable: Collection[str],
+              walk: Callable[[int], Iterable[str]]) -> None:
+        """rates: session key -> the fleet's requests per second of it; rps: the model's
+        requests per second at its candidates; shares: each peer's share of the ring's
+        weight, every peer known to serve the model (summing to 1); usable: the
+        candidates among them; walk(key): the ring's peers from the key's point.
+
+        Placed first as if every known peer were a candidate, then, for those whose host
+        is not, again among the candidates with the room the others left: a host lost
+        (or draining) moves its own heavy sessions and no other's. Among the candidates
+        alone, the survivors' shares grew with the loss, some sessions now fitted their
+        ring owner, and a greedy placement moved 65 of 250 of the survivors' heavy
+        sessions over 50 draws of the fleet bench's rates (tests/test_routing_heavy.py)."""
+        if rps <= 0 or not shares or not rates:
+            self._heavy.pop(model_id, None)
+            self._hosts.pop(model_id, None)
+            return
+        smallest = min(shares.values())
+        was = self._heavy.get(model_id, set())
+        # A share above 1 is a peer's error or a lie: it weighs as the whole model.
+        heavy = {key: quantized(min(1.0, rate / rps)) for key, rate in rates.items()
+                 if rate / rps >= (LEAVE if key in was else ENTER) * smallest}
+        order = sorted(heavy, key=lambda k: (-heavy[k], k))[:MAX_HEAVY]
+        self._heavy[model_id] = set(order)
+        held = dict.fromkeys(shares, 0.0)
+        hosts = {key: node for key in order if (node := _fit(key, heavy[key], shares, held, walk)) is not None}
+        for key in order:
+            if key in hosts and hosts[key] not in usable:
+                held[hosts.pop(key)] -= heavy[key]
+        for key in order:
+            if key not in hosts and (node := _fit(key, heavy[key], shares, held, walk, usable)) is not None:
+                hosts[key] = node
+        self._hosts[model_id] = hosts
+
+
+def _fit(key: int, share: float, shares: Mapping[str, float], held: dict[str, float],
+         walk: Callable[[int], Iterable[str]], among: Collection[str] | None = None) -> str | None:
+    """The first of the first MAX_WALK peers along the key's walk whose heavy sessions,
+    with this one, stay within ROOM of its share, else the one of them with the most room
+    left (the first such); counted into `held`."""
+    roomiest: str | None = None
+    for node in itertools.islice(walk(key), MAX_WALK):
+        if node not in shares or (among is not None and node not in among):
+            continue
+        left = ROOM * shares[node] - held[node]
+        if share <= left:
+            roomiest = node
+            break
+        if roomiest is None or left > ROOM * shares[roomiest] - held[roomiest]:
+            roomiest = node
+    if roomiest is not None:
+        held[roomiest] += share
+    return roomiest

@@ -1,0 +1,79 @@
+"""The request rate of each session routed at this node, per model, for the few busiest
+to be published (gossip/snapshot.SessionRates) and summed fleet-wide (heavy.py).
+
+Each request adds 1 to its session's count, and counts decay with a half-life of
+HALF_LIFE_MS: the rate is the count over the decay's time constant. 30 s: the fleet
+bench's busiest session, 2 requests a second, is counted from about 60 requests, within
+13% (its square root), and the fourth busiest, at a quarter of that, within 25%; a shorter
+memory made the sessions' ranks, and so the heavy ones' hosts, change by chance.
+
+Memory is bounded: at most max_models models (those the router knows, MAX_MODELS at
+most), and per model, past MAX_TRACKED sessions, the least counted half is dropped. A session dropped was at most the median count, far below any that is heavy;
+counted again from its next request, it is back among the top within a few requests if
+it is busy. Each agent sees the sessions entering through it, so a client naming a fresh
+session per request (or an attacker) costs this node a dict of MAX_TRACKED entries per
+model and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+
+HALF_LIFE_MS = 30_000
+_TAU_MS = HALF_LIFE_MS / math.log(2)
+MAX_TRACKED = 1024
+# Counts are kept scaled by exp(t / tau) from an origin, so that a request adds one term
+# and nothing decays in place; the origin moves on before the scale overflows a float.
+_REBASE_AFTER_MS = 200 * _TAU_MS
+_MIN_COUNTED_MS = 5_000
+
+
+class SessionCounts:
+    def __init__(self, max_models: int) -> None:
+        self._max_models = max_models
+        self._counts: dict[int, dict[int, float]] = {}
+        self._origin_ms: int | None = None
+        self._first_ms = 0
+
+    def saw(self, model_id: int, session: int, now_ms: int) -> None:
+        """A request of `session` (its key) for the model was routed here."""
+        if self._origin_ms is None:
+            self._origin_ms = self._first_ms = now_ms
+        elif now_ms - self._origin_ms > _REBASE_AFTER_MS:
+            self._rebase(now_ms)
+        counts = self._counts.get(model_id)
+        if counts is None:
+            if len(self._counts) >= self._max_models:
+                return
+            counts = self._counts[model_id] = {}
+        weight = math.exp((now_ms - self._origin_ms) / _TAU_MS)
+        counts[session] = counts.get(session, 0.0) + weight
+        if len(counts) > MAX_TRACKED:
+            kept = sorted(counts.items(), key=lambda sc: -sc[1])[:MAX_TRACKED // 2]
+            self._counts[model_id] = dict(kept)
+
+    def busiest(self, k: int, models: int, now_ms: int) -> dict[int, list[tuple[int, float]]]:
+        """The k sessions of the highest rate (requests per second) of each of the
+        `models` models with the most session requests."""
+        if self._origin_ms is None:
+            return {}
+        # Over the time counted so far, not the decay's whole memory: in its first half-life
+        # a steady session would otherwise count at a fraction of its rate.
+        counted_ms = max(_MIN_COUNTED_MS, now_ms - self._first_ms)
+        to_rate = (1000.0 / _TAU_MS * math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
+                   / -math.expm1(-counted_ms / _TAU_MS))
+        chosen = sorted(self._counts, key=lambda mid: -sum(self._counts[mid].values()))[:models]
+        return {mid: [(s, c * to_rate) for s, c in sorted(self._counts[mid].items(), key=lambda sc: -sc[1])[:k]]
+                for mid in chosen if self._counts[mid]}
+
+    def forget_except(self, model_ids: set[int]) -> None:
+        for gone in self._counts.keys() - model_ids:
+            del self._counts[gone]
+
+    def _rebase(self, now_ms: int) -> None:
+        assert self._origin_ms is not None
+        scale = math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
+        floor = 1e-3  # a request ten half-lives ago counts for less
+        self._counts = {mid: kept for mid, counts in self._counts.items()
+                        if (kept := {s: c * scale for s, c in counts.items() if c * scale > floor})}
+        self._origin_ms = now_ms

@@ -1,0 +1,221 @@
+"""Heavy sessions: the rates each node counts, their placement, and the router's use of
+both (daemon/routing/session_counts.py, heavy.py)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+import pytest
+
+from loadmesh.daemon.routing import Decision, PeerInput, Router, RoutingConfig
+from loadmesh.daemon.routing.heavy import ENTER, LEAVE, MAX_HEAVY, MAX_WALK, ROOM, HeavySessions, quantized
+from loadmesh.daemon.routing.ring import HashRing, hash64
+from loadmesh.daemon.routing.session_counts import HALF_LIFE_MS, MAX_TRACKED, SessionCounts
+from loadmesh.gossip.snapshot import SessionRates
+from loadmesh.model_id import model_id
+from test_routing_router import MODEL, NOW, snapshot
+
+MID = model_id(MODEL)
+
+
+# --- counts ------------------------------------------------------------------------------
+
+def test_a_steady_session_counts_at_its_rate() -> None:
+    counts = SessionCounts(max_models=4)
+    rng = random.Random(1)
+    t = 0.0
+    while t < 10 * HALF_LIFE_MS:
+        t += rng.expovariate(2.0 / 1000)  # 2 requests a second
+        counts.saw(MID, 7, round(t))
+    (key, rate), = counts.busiest(8, 8, round(t))[MID]
+    assert key == 7 and rate == pytest.approx(2.0, rel=0.3)
+
+
+def test_a_session_that_stops_decays_by_its_half_life() -> None:
+    counts = SessionCounts(max_models=4)
+    end = 10 * HALF_LIFE_MS
+    for ms in range(0, end, 250):
+        counts.saw(MID, 1, ms)
+    before = counts.busiest(1, 8, end)[MID][0][1]
+    after = counts.busiest(1, 8, end + HALF_LIFE_MS)[MID][0][1]
+    assert after == pytest.approx(before / 2, rel=1e-3)
+
+
+def test_the_busiest_come_first_and_memory_is_bounded() -> None:
+    counts = SessionCounts(max_models=1)
+    for ms in range(20_000):
+        counts.saw(MID, 1 if ms % 3 == 0 else 2 if ms % 7 == 0 else 1000 + ms, ms)  # one-off sessions
+    assert len(counts._counts[MID]) <= MAX_TRACKED
+    top = counts.busiest(2, 8, 20_000)[MID]
+    assert [key for key, _ in top] == [1, 2]
+    counts.saw(MID + 1, 1, 20_000)  # a model past max_models is not counted
+    assert MID + 1 not in counts.busiest(2, 8, 20_000)
+
+
+def test_only_the_models_with_the_most_session_requests_are_published() -> None:
+    counts = SessionCounts(max_models=4)
+    for ms in range(1000):
+        for mid in range(4):
+            if ms % (4 - mid) == 0:
+                counts.saw(mid, 1, ms)
+    assert set(counts.busiest(1, 2, 1000)) == {2, 3}
+
+
+def test_counts_outlive_the_rebase_of_their_scale() -> None:
+    counts = SessionCounts(max_models=1)
+    hours = 3 * 3_600_000
+    for ms in range(0, hours, 500):
+        counts.saw(MID, 5, ms)
+    assert counts.busiest(1, 8, hours)[MID][0][1] == pytest.approx(2.0, rel=0.05)
+
+
+# --- placement ---------------------------------------------------------------------------
+
+def test_quantized_steps() -> None:
+    assert quantized(0) == 0
+    assert quantized(0.5) == 0.5
+    assert quantized(0.52) == 0.5  # within half a step
+    assert quantized(0.55) == pytest.approx(2 ** -0.75)
+
+
+SHARES = {"big1": 0.25, "big2": 0.25, "big3": 0.25, "small": 0.125, "slow": 0.125}
+
+
+def ring_of(shares: dict[str, float]) -> HashRing:
+    return HashRing({node: round(160 * s / max(shares.values())) for node, s in shares.items()})
+
+
+def place(heavy: HeavySessions, rates: dict[int, float], usable: Iterable[str] = SHARES,
+          ring: HashRing | None = None) -> dict[int, str]:
+    ring = ring or ring_of(SHARES)
+    heavy.place(MID, rates, 100.0, SHARES, set(usable), lambda key: ring.walk_from(key << 32))
+    return dict(heavy.placed(MID))
+
+
+def keys_owned_by(ring: HashRing, node: str, n: int) -> Iterable[int]:
+    found = 0
+    for i in range(100_000):
+        key = hash64(f"s{i}") >> 32
+        if next(ring.walk_from(key << 32)) == node:
+            found += 1
+            yield key
+            if found == n:
+                return
+
+
+def test_the_busiest_session_goes_to_a_large_host_whoever_owns_it() -> None:
+    # 17 requests in 100 on a host whose share is 12.5: most of its load alone.
+    ring = ring_of(SHARES)
+    key = next(iter(keys_owned_by(ring, "small", 1)))
+    assert place(HeavySessions(), {key: 17.0}, ring=ring)[key].startswith("big")
+
+
+def test_a_heavy_session_that_fits_stays_with_its_ring_owner() -> None:
+    ring = ring_of(SHARES)
+    for node in SHARES:
+        key = next(iter(keys_owned_by(ring, node, 1)))
+        assert place(HeavySessions(), {key: 100 * ROOM * SHARES[node] * 0.9}, ring=ring) == {key: node}
+
+
+def test_heavy_from_enter_until_below_leave() -> None:
+    heavy = HeavySessions()
+    smallest = min(SHARES.values())
+    mark = 100 * smallest
+    assert place(heavy, {1: 0.9 * ENTER * mark}) == {}
+    assert set(place(heavy, {1: 1.1 * ENTER * mark})) == {1}
+    assert set(place(heavy, {1: 1.1 * LEAVE * mark})) == {1}  # between the two: stays
+    assert place(heavy, {1: 0.9 * LEAVE * mark}) == {}
+
+
+def test_a_lost_host_moves_its_heavy_sessions_only() -> None:
+    # The fleet bench's Zipf shares over 300 sessions: the five busiest are heavy.
+    rng = random.Random(3)
+    zipf = [100 / k / sum(1 / j for j in range(1, 301)) for k in range(1, 9)]
+    moved_others = 0
+    for _ in range(50):
+        rates = {rng.getrandbits(32): r for r in zipf}
+        heavy = HeavySessions()
+        before = place(heavy, rates)
+        after = place(heavy, rates, [n for n in SHARES if n != "big3"])
+        assert after.keys() == before.keys()
+        assert all(after[k] != "big3" for k in after)
+        moved_others += sum(1 for k, node in before.items() if node != "big3" and after[k] != node)
+    assert moved_others == 0
+
+
+# --- the router --------------------------------------------------------------------------
+
+def rows_with(sessions: dict[str, list[tuple[int, float]]], **bands: tuple[float, float]) -> list[PeerInput]:
+    """Five peers of the fleet bench's shape (three of 4 GPUs, two of 2), each publishing
+    the session rates it routed."""
+    out = []
+    for node, gpus in (("big1", 4), ("big2", 4), ("big3", 4), ("small", 2), ("slow", 2)):
+        snap = snapshot(node, gpus=gpus, rps=20.0, band=bands.get(node, (0.0, 0.0)))
+        if node in sessions:
+            snap = type(snap)(**{**snap.__dict__, "sessions": (SessionRates(MID, sessions[node]),)})
+        out.append(PeerInput(node, snap, True, 500, None))
+    return out
+
+
+def routers_agree_on(rows: list[PeerInput], session: str) -> str:
+    hosts = set()
+    for seed in (1, 2, 3):
+        r = Router(RoutingConfig(seed=seed))
+        r.update(rows, NOW)
+        d = r.best(MODEL, session, (), NOW)
+        assert isinstance(d, Decision), d
+        hosts.add(d.node_id)
+    assert len(hosts) == 1
+    return hosts.pop()
+
+
+def test_every_router_sends_a_heavy_session_to_its_placed_host_band_or_not() -> None:
+    session = "busiest"
+    key = hash64(session) >> 32
+    # 4 rps of the fleet's 100 at each of the five entries: 20%, heavy.
+    rates = {node: [(key, 4.0)] for node in ("big1", "big2", "big3", "small", "slow")}
+    placed = routers_agree_on(rows_with(rates), session)
+    r = Router(RoutingConfig(seed=1))
+    r.update(rows_with(rates), NOW)
+    assert r.heavy.host(MID, key) == placed
+    # Its host's band covers every coin: a light session would be passed on, it is not.
+    assert routers_agree_on(rows_with(rates, **{placed: (0.0, 1.0)}), session) == placed
+
+
+def test_the_router_publishes_the_sessions_it_routed() -> None:
+    r = Router(RoutingConfig(seed=1))
+    r.update(rows_with({}), NOW)
+    for i in range(40):
+        r.best(MODEL, "chatty", (), NOW + 100 * i)
+    r.best(MODEL, "quiet", (), NOW + 4000)
+    (published,) = r.busiest(NOW + 4000)
+    assert published.model_id == MID
+    keys = dict(published.sessions)
+    assert keys[hash64("chatty") >> 32] > keys[hash64("quiet") >> 32] > 0
+
+
+def test_a_new_session_counts_at_its_rate_before_a_half_life() -> None:
+    counts = SessionCounts(max_models=1)
+    for ms in range(0, 10_000, 500):
+        counts.saw(MID, 3, ms)
+    assert counts.busiest(1, 1, 10_000)[MID][0][1] == pytest.approx(2.0, rel=0.1)
+
+
+def test_what_peers_publish_bounds_the_placements_work() -> None:
+    # A peer (or an attacker on the gossip port) publishing thousands of sessions at
+    # absurd rates: the busiest MAX_HEAVY are placed, each looking at MAX_WALK peers.
+    nodes = {f"n{i}": 1 / 100 for i in range(100)}
+    ring = ring_of(nodes)
+    looked = 0
+
+    def walk(key: int) -> Iterable[str]:
+        nonlocal looked
+        for node in ring.walk_from(key << 32):
+            looked += 1
+            yield node
+
+    heavy = HeavySessions()
+    heavy.place(MID, {k: 1e7 for k in range(5000)}, 100.0, nodes, set(nodes), walk)
+    assert len(heavy.placed(MID)) == MAX_HEAVY
+    assert looked <= 2 * MAX_HEAVY * MAX_WALK
