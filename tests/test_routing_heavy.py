@@ -195,11 +195,13 @@ def test_the_router_publishes_the_sessions_it_routed() -> None:
     assert keys[hash64("chatty") >> 32] > keys[hash64("quiet") >> 32] > 0
 
 
-def test_a_new_session_counts_at_its_rate_before_a_half_life() -> None:
+def test_a_new_session_counts_at_its_rate_before_a_half_life_and_low_before_that() -> None:
     counts = SessionCounts(max_models=1)
-    for ms in range(0, 10_000, 500):
+    for ms in range(0, 25_000, 500):
         counts.saw(MID, 3, ms)
-    assert counts.busiest(1, 1, 10_000)[MID][0][1] == pytest.approx(2.0, rel=0.1)
+        if ms == 2_000:  # 5 requests in 2 s: not yet taken for 2.5 a second
+            assert counts.busiest(1, 1, ms)[MID][0][1] < 0.5
+    assert counts.busiest(1, 1, 25_000)[MID][0][1] == pytest.approx(2.0, rel=0.1)
 
 
 def test_what_peers_publish_bounds_the_placements_work() -> None:
@@ -219,3 +221,23 @@ def test_what_peers_publish_bounds_the_placements_work() -> None:
     heavy.place(MID, {k: 1e7 for k in range(5000)}, 100.0, nodes, set(nodes), walk)
     assert len(heavy.placed(MID)) == MAX_HEAVY
     assert looked <= 2 * MAX_HEAVY * MAX_WALK
+
+
+def test_a_heavy_session_placed_elsewhere_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    session = "busiest"
+    key = hash64(session) >> 32
+    rates = {node: [(key, 4.0)] for node in ("big1", "big2", "big3", "small", "slow")}
+    r = Router(RoutingConfig(seed=1))
+    caplog.set_level("INFO", logger="loadmesh.routing")
+    r.update(rows_with(rates), NOW)
+    placed = r.heavy.host(MID, key)
+    assert [m for m in caplog.messages if "heavy" in m] == [
+        f"heavy sessions of model {MID:016x}: 1 placed, 1 new, 0 no longer heavy"]
+    # Its host lost: it moves, and the line says from where to where.
+    rows = [row if row.node_id != placed else PeerInput(placed, row.snapshot, False, 500, None)
+            for row in rows_with(rates)]
+    r.update(rows, NOW + 2000)
+    now = r.heavy.host(MID, key)
+    assert now not in (None, placed)
+    assert caplog.messages[-1] == (f"heavy sessions of model {MID:016x}: 1 placed, 0 new, 0 no longer heavy, "
+                                   f"{key:08x} {placed!r} -> {now!r}")

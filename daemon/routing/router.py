@@ -151,6 +151,16 @@ def _log_ring_change(mid: int, old: Mapping[str, int], new: Mapping[str, int]) -
              + (f" and {len(moved) - 8} more" if len(moved) > 8 else ""))
 
 
+def _log_placements(mid: int, old: Mapping[int, str], new: Mapping[int, str]) -> None:
+    """A heavy session placed elsewhere moves, as a change of the ring does: worth a line.
+    One that becomes heavy where it was, or light, may not move at all: counted only."""
+    moved = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+    came, went = len(new.keys() - old.keys()), len(old.keys() - new.keys())
+    if moved or came or went:
+        log.info("heavy sessions of model %016x: %d placed, %d new, %d no longer heavy%s", mid, len(new),
+                 came, went, "".join(f", {k:08x} {old[k]!r} -> {new[k]!r}" for k in moved[:8]))
+
+
 def spill(peers: Sequence[Candidate], session: str) -> Candidate:
     """Where a session goes that every usable peer passes on: a draw weighted by the share
     of the coins each peer keeps (1 less its band's width) times its slots (weighted
@@ -413,8 +423,10 @@ class Router:
             total = sum(entry.ring.values())
             rps = sum(m.rps for c in entry.candidates for m in c.peer.snapshot.models if m.model_id == mid)
             ring = self._ring(entry)
+            before = dict(self.heavy.placed(mid))
             self.heavy.place(mid, summed, rps, {n: k / total for n, k in entry.ring.items()},
                              entry.by_node.keys(), lambda key: ring.walk_from(key << _KEY_SHIFT))
+            _log_placements(mid, before, self.heavy.placed(mid))
 
     def busiest(self, now_ms: int) -> tuple[SessionRates, ...]:
         """The busiest sessions routed here, per model, for this node's snapshot."""

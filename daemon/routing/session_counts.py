@@ -2,13 +2,15 @@
 to be published (gossip/snapshot.SessionRates) and summed fleet-wide (heavy.py).
 
 Each request adds 1 to its session's count, and counts decay with a half-life of
-HALF_LIFE_MS: the rate is the count over the decay's time constant. 30 s: the fleet
-bench's busiest session, 2 requests a second, is counted from about 60 requests, within
-13% (its square root), and the fourth busiest, at a quarter of that, within 25%; a shorter
-memory made the sessions' ranks, and so the heavy ones' hosts, change by chance.
+HALF_LIFE_MS: the rate is the count over the decay's time constant (87 s). 60 s: the fleet
+bench's busiest session, 3.4 requests a second, is counted from about 300 requests, within
+6% (its square root), and the fifth busiest, at 0.6 a second, from about 50, within 14%.
+At 30 s, the rates' noise crossed the steps the placement compares them in (heavy.py),
+and each agent logged 22-26 placements that moved a heavy session in a 90 s run.
 
 Memory is bounded: at most max_models models (those the router knows, MAX_MODELS at
-most), and per model, past MAX_TRACKED sessions, the least counted half is dropped. A session dropped was at most the median count, far below any that is heavy;
+most), and per model, past MAX_TRACKED sessions, the least counted half is dropped. A
+session dropped was at most the median count, far below any that is heavy;
 counted again from its next request, it is back among the top within a few requests if
 it is busy. Each agent sees the sessions entering through it, so a client naming a fresh
 session per request (or an attacker) costs this node a dict of MAX_TRACKED entries per
@@ -19,13 +21,17 @@ from __future__ import annotations
 
 import math
 
-HALF_LIFE_MS = 30_000
+HALF_LIFE_MS = 60_000
 _TAU_MS = HALF_LIFE_MS / math.log(2)
 MAX_TRACKED = 1024
 # Counts are kept scaled by exp(t / tau) from an origin, so that a request adds one term
 # and nothing decays in place; the origin moves on before the scale overflows a float.
 _REBASE_AFTER_MS = 200 * _TAU_MS
-_MIN_COUNTED_MS = 5_000
+# Counted for less than this, the rate is taken over this long: low, rather than a
+# session with 2 requests in its first second taken for 2 a second (in the fleet bench,
+# 24-29 sessions were heavy in the first seconds, each placed and moved as the counts
+# settled).
+_MIN_COUNTED_MS = 20_000
 
 
 class SessionCounts:
