@@ -19,7 +19,9 @@ model and nothing else.
 
 from __future__ import annotations
 
+import heapq
 import math
+from operator import itemgetter
 
 HALF_LIFE_MS = 60_000
 _TAU_MS = HALF_LIFE_MS / math.log(2)
@@ -32,6 +34,7 @@ _REBASE_AFTER_MS = 200 * _TAU_MS
 # 24-29 sessions were heavy in the first seconds, each placed and moved as the counts
 # settled).
 _MIN_COUNTED_MS = 20_000
+_COUNT = itemgetter(1)
 
 
 class SessionCounts:
@@ -55,8 +58,7 @@ class SessionCounts:
         weight = math.exp((now_ms - self._origin_ms) / _TAU_MS)
         counts[session] = counts.get(session, 0.0) + weight
         if len(counts) > MAX_TRACKED:
-            kept = sorted(counts.items(), key=lambda sc: -sc[1])[:MAX_TRACKED // 2]
-            self._counts[model_id] = dict(kept)
+            self._counts[model_id] = dict(heapq.nlargest(MAX_TRACKED // 2, counts.items(), key=_COUNT))
 
     def busiest(self, k: int, models: int, now_ms: int) -> dict[int, list[tuple[int, float]]]:
         """The k sessions of the highest rate (requests per second) of each of the
@@ -68,8 +70,9 @@ class SessionCounts:
         counted_ms = max(_MIN_COUNTED_MS, now_ms - self._first_ms)
         to_rate = (1000.0 / _TAU_MS * math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
                    / -math.expm1(-counted_ms / _TAU_MS))
-        chosen = sorted(self._counts, key=lambda mid: -sum(self._counts[mid].values()))[:models]
-        return {mid: [(s, c * to_rate) for s, c in sorted(self._counts[mid].items(), key=lambda sc: -sc[1])[:k]]
+        # Every snapshot tick: the top k of each model, not a sort of its 1024 sessions.
+        chosen = heapq.nlargest(models, self._counts, key=lambda mid: sum(self._counts[mid].values()))
+        return {mid: [(s, c * to_rate) for s, c in heapq.nlargest(k, self._counts[mid].items(), key=_COUNT)]
                 for mid in chosen if self._counts[mid]}
 
     def forget_except(self, model_ids: set[int]) -> None:
