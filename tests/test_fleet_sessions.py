@@ -120,6 +120,10 @@ def test_no_host_carries_much_more_than_its_share_of_the_slots(
     # 1.43 for c (3.2). Measured after the warm-up, in eight runs: the worst host at
     # 1.02-1.42, c at 0.94-1.42 (spilling by free slots, in six runs, 1.17-1.25 and
     # 1.13-1.25). With the bands held at 0, in two runs, b held 1.94 times its share and
-    # c 0.38. Each bound has 0.1 more for what a 30 s window of it holds by chance.
-    bounds = [1.15 + 0.5 / math.sqrt(LOAD * h.slots) + 0.1 for h in HOSTS]
+    # c 0.38. With heavy sessions placed (routing/heavy.py), in five runs, a at
+    # 1.01-1.21, b 0.53-0.86, c 1.00-1.55: c can hold the third busiest session (6% of
+    # the requests, a third of its share), placed, which its band cannot pass on. What a
+    # 30 s window of a host holds by chance shrinks as its share grows, like the band's
+    # margin: 0.3 / sqrt(n) more (0.12 for a or b, 0.17 for c).
+    bounds = [1.15 + 0.8 / math.sqrt(LOAD * h.slots) for h in HOSTS]
     assert all(o <= b for o, b in zip(occupancy, bounds, strict=True)), (occupancy, bounds)
