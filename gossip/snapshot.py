@@ -487,7 +487,7 @@ class SessionRates:
 def _sessions_in_order(pairs: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
     if len(pairs) > MAX_SESSIONS:
         raise SnapshotError(f"SessionRates.sessions: {len(pairs)} entries, at most {MAX_SESSIONS}")
-    return _unique_sorted(pairs, operator.itemgetter(0), "sessions")
+    return _unique_sorted(pairs, operator.itemgetter(0), "SessionRates.sessions")
 
 
 _NODE_ID = _Field("node_id", "str", lo=1, hi=MAX_NODE_ID_BYTES)
@@ -509,11 +509,12 @@ _SESSIONS_KEY = operator.attrgetter("model_id")
 
 
 def _unique_sorted(items: Sequence[Any], key: Any, name: str) -> tuple[Any, ...]:
-    """Sorted, so that equal content compares and encodes equal; duplicates are refused."""
+    """Sorted, so that equal content compares and encodes equal; duplicates are refused.
+    name: the field, with its class (the error names it)."""
     ordered = tuple(sorted(items, key=key))
     for a, b in itertools.pairwise(ordered):
         if key(a) == key(b):
-            raise SnapshotError(f"LoadSnapshot.{name}: duplicate {key(a)!r}")
+            raise SnapshotError(f"{name}: duplicate {key(a)!r}")
     return ordered
 
 
@@ -557,7 +558,7 @@ class LoadSnapshot:
             value = fields[name]
             if len(value) > limit:
                 raise SnapshotError(f"LoadSnapshot.{name}: {len(value)} entries, at most {limit}")
-            fields[name] = _unique_sorted(value, key, name)
+            fields[name] = _unique_sorted(value, key, f"LoadSnapshot.{name}")
 
 
 def encode(snap: LoadSnapshot) -> bytes:

@@ -338,6 +338,15 @@ def test_rejects_invalid_content(mutate) -> None:
         decode(_mutated(mutate))
 
 
+def test_a_duplicate_names_the_field_it_is_in() -> None:
+    with pytest.raises(SnapshotError, match=r"^SessionRates\.sessions: duplicate 5$"):
+        decode(_mutated(BAD["duplicate session"]))
+    with pytest.raises(SnapshotError, match=r"^LoadSnapshot\.sessions: duplicate 1$"):
+        decode(_mutated(BAD["duplicate sessions' model"]))
+    with pytest.raises(SnapshotError, match=r"^LoadSnapshot\.models: duplicate "):
+        decode(_mutated(BAD["duplicate model"]))
+
+
 @pytest.mark.parametrize(
     "data",
     [

@@ -21,6 +21,7 @@ from operator import attrgetter
 from loadmesh.daemon.config import RoutingConfig
 from loadmesh.daemon.routing.breaker import Breaker
 from loadmesh.daemon.routing.p2c import WeightedTable
+from loadmesh.daemon.routing.ring import stepped
 from loadmesh.daemon.routing.slow_start import ramp
 from loadmesh.gossip.snapshot import LoadSnapshot, ModelLoad, NodeState
 from loadmesh.model_id import model_id
@@ -465,8 +466,7 @@ def ring_points(model_id: int, peers: Sequence[PeerRecord], reference: int,
     top = max(rates.values(), default=0.0)
     out = {}
     for node_id, rate in rates.items():
-        steps = round(_RING_STEPS_PER_DOUBLING * math.log2(max(rate / top, _RING_LEAST)))
-        out[node_id] = max(1, round(vnodes * 2 ** (steps / _RING_STEPS_PER_DOUBLING)))
+        out[node_id] = max(1, round(vnodes * stepped(max(rate / top, _RING_LEAST), _RING_STEPS_PER_DOUBLING)))
     return out
 
 

@@ -31,8 +31,9 @@ nodes disagree only while a change that moves a placement has reached some and n
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Collection, Iterable, Mapping
+
+from loadmesh.daemon.routing.ring import stepped
 
 ENTER = 0.25
 LEAVE = 0.15
@@ -46,9 +47,7 @@ _STEPS_PER_DOUBLING = 4
 
 def quantized(share: float) -> float:
     """share rounded to its step (2**(1/4) apart); 0 stays 0."""
-    if share <= 0:
-        return 0.0
-    return 2.0 ** (round(math.log2(share) * _STEPS_PER_DOUBLING) / _STEPS_PER_DOUBLING)
+    return stepped(share, _STEPS_PER_DOUBLING)
 
 
 class HeavySessions:

@@ -17,8 +17,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping
+
+
+def stepped(value: float, per_doubling: int) -> float:
+    """value rounded to the nearest of the steps 2**(1/per_doubling) apart (0 stays 0): a
+    figure's noise moves what is derived from it only where it crosses a step, as the
+    ring's weights (candidates.ring_points) and the heavy sessions' shares (heavy.py)."""
+    if value <= 0:
+        return 0.0
+    return 2.0 ** (round(math.log2(value) * per_doubling) / per_doubling)
 
 
 def hash64(key: str) -> int:
