@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadmesh.daemon.routing.shed import GUESTS, ORPHANS, WIDEST, Seat, Shedding, coin, passes_on
+from loadmesh.daemon.routing.shed import GUESTS, ORPHANS, Seat, Shedding, coin, passes_on
 
 SESSIONS = [f"session-{i}" for i in range(4000)]
 MID = 1
@@ -85,7 +85,7 @@ def run(shed: Shedding, seconds: float, own: float, capacity: float = 8.0, fleet
 def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
     # 7 in flight on 8 slots while the others hold 0.46 per slot: nearly twice its share of
     # 3.7. The load does not fall (the test holds it), so the band keeps growing, step by
-    # step, once the excess has lasted long enough not to be chance, up to WIDEST.
+    # step, once the excess has lasted long enough not to be chance.
     shed = Shedding(0.15)
     run(shed, 5.0, own=7, fleet=40, gone=1)
     assert shed.band(MID) == (0.0, 0.0)
@@ -94,7 +94,7 @@ def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
     for _ in range(5):
         now = run(shed, 4.0, own=7, fleet=40, start=now, gone=1)
         widths.append(shed.band(MID)[1])
-    assert widths == sorted(widths) and len(set(widths)) == 4 and widths[-1] == WIDEST
+    assert widths == sorted(set(widths)) and widths[-1] < 1
     # The first steps stop at the orphans, then at the guests: what they carried leaves
     # before its own sessions, a lost peer's first.
     assert widths[:2] == [ORPHANS, GUESTS]
@@ -114,18 +114,16 @@ def test_a_band_grows_by_a_share_of_what_it_keeps_and_never_passes_everything_on
     # 20 in flight on 8 slots, the others at 0.42 a slot, held there for a minute: every
     # step is as large as steps get, and each passes on at most 0.35 of the coins the
     # band left. Grown by 0.35 of the whole circle, it reached 1.00 in three steps, and a
-    # host holding the busiest session passed on every session it had (docs/routing.md);
-    # grown from what it keeps, it still reached 0.9-1.0 in the fleet bench, where a
-    # session every peer passes on goes wherever spill() draws it. It stops at WIDEST.
+    # host holding the busiest session passed on every session it had (docs/routing.md).
     shed = Shedding(0.15)
     widths, now = [0.0], T0
     for _ in range(30):
         now = run(shed, 2.0, own=20, fleet=50, start=now, guests=False)
         widths.append(shed.band(MID)[1])
     steps = [(a, b) for a, b in itertools.pairwise(widths) if b > a]
-    assert len(steps) >= 2
+    assert len(steps) >= 5
     assert all(b - a <= 0.35 * (1 - a) + 1e-9 for a, b in steps), steps
-    assert max(widths) == widths[-1] == WIDEST
+    assert widths[-1] < 1
 
 
 def test_a_host_at_twice_its_share_passes_half_its_sessions_on_within_8_s() -> None:

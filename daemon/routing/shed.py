@@ -69,17 +69,6 @@ one counted at this one's), the host's share is that level times its slots:
   back last, go before any of its own beyond the end (grown at the end, in a fleet
   bench run, a band taken back from [0, 0.82) to [0.10, 0.82) grew to [0.10, 0.99)
   after a host was lost: its own sessions went, none of the guests the loss sent it).
-- A band is at most WIDEST, half the circle: the orphans, the guests and 44% of the
-  host's own sessions. Past it, passing more on moves more than it relieves: what is
-  left of the host's load is its heavy sessions (heavy.py), which no band passes on, and
-  the queue the others left, which only time drains. With the loads swinging by their
-  queues (a small host at 0.1-3.4 times its share within 20 s), the bands of the fleet
-  bench still climbed to 0.6-1.0, and a session that every peer passes on goes wherever
-  spill() draws it: 40-470 answers a run said so. Capped, against the tree before in
-  the fleet bench (warm sessions, seeds 1 and 7, on one machine): on its host 89.9 and
-  92.9% (88.7, 88.2), agreement 98.9 and 98.5% (95.5, 98.0), the worst host 1.22 and
-  1.49 times its share (1.55, 1.49), the others' requests moved after a kill 13.8 and
-  13.1% (18.5, 25.1); seeds 2 and 3: 92.5, 96.5%; 99.2, 98.6%; 1.14, 1.34; 18.3, 16.2%.
 - While the other candidates have less than _ROOM of their slots free (a host lost, a
   surge), the band grows no further than the guests: they queue too, so a session of its
   own moved there moves its queue rather than shortening it, and costs its prefix cache,
@@ -139,7 +128,6 @@ from loadmesh.gossip.snapshot import MAX_MODELS
 
 GUESTS = 0.1
 ORPHANS = 0.05
-WIDEST = 0.5
 _SMOOTH_MS = 2_000
 _STEP_MS = 2_000
 _GAIN = 0.35
@@ -278,7 +266,7 @@ class Shedding:
             z = (b.load - mark) / math.sqrt(b.share) - _SLACK
             b.evidence = min(_EVIDENCE, max(0.0, b.evidence + z))
         excess = (b.load - mark) / b.share if b.share > 0 else 0.0
-        most = WIDEST if b.free >= _ROOM else max(b.width, GUESTS)
+        most = 1.0 if b.free >= _ROOM else max(b.width, GUESTS)
         draining = own_load <= max(mark, _DRAINING * b.step_load)
         if b.evidence >= _EVIDENCE and excess > 0 and not draining and b.width < most:
             step = min(_MAX_STEP, max(_MIN_STEP, _GAIN * excess)) * (1.0 - b.width)
