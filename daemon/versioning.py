@@ -246,9 +246,9 @@ class ChangeDetector:
     Urgent (relay at once): the first snapshot, a state change, a model or GPU appearing
     or disappearing, a GPU turning unhealthy or healthy again, new endpoints, a band of
     passed-on sessions moving, the heavy sessions held here changing. Material only: a
-    figure outside its deadband, PSI appearing or vanishing, the heartbeat. Figures are compared with the last *published* snapshot,
-    not the previous tick, so a slow drift still moves the version once it adds up to a
-    band.
+    figure outside its deadband, PSI appearing or vanishing, the heartbeat. Figures are
+    compared with the last *published* snapshot, not the previous tick, so a slow drift
+    still moves the version once it adds up to a band.
     """
 
     def __init__(self, deadbands: Deadbands = Deadbands(), heartbeat_ms: int = 5000) -> None:

@@ -34,8 +34,8 @@ the fleet bench each agent logged a heavy session moved at 26-60 of its placemen
 two minutes (one a second), every move a few percent of the fleet's requests from one
 host to another at once; replayed from the same Zipf sessions (rates exactly as the
 agents count them, scripts/bench_heavy.py), 15-23% of the placements moved one over 140
-seconds of steady rates, and 0-1% held. So each host publishes the heavy sessions placed on it
-(SessionRates.held), and a session stays where a host says it is while that host's
+seconds of steady rates, and 0-1% held. So each host publishes the heavy sessions placed
+on it (SessionRates.held), and a session stays where a host says it is while that host's
 heavy sessions, with it, stay within KEEP of its share: a hysteresis between ROOM (where
 a fresh placement stops) and KEEP, on a history that every node reads from the same
 snapshots, not on each node's own (kept by each node's previous placement instead, hosts
