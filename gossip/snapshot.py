@@ -24,7 +24,7 @@ The top level is a map with one-letter keys::
                    itl_p99 0.1 ms*, tokens/s 0.1*, pace 0.1 ms*, shed_start 1/10000,
                    shed_width 1/10000], ...]
     "k": sessions, [[model_id u64, session key u32, rps 1/100**, ...], ...]; absent when
-         empty (a node that routes no sessions and holds no heavy one, or an older writer)
+         empty (a node of a fleet that routes no sessions, or an older writer)
     "p": [[routed rps 1/100**, held session key u32, ...], ...]: per record of "k", in
          its order, the model's requests routed here (sessions or not) and the heavy
          sessions placed on this node; absent with "k" (and from an older writer)

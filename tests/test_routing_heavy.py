@@ -277,6 +277,17 @@ def test_a_sessions_share_is_of_the_requests_routed_counted_alike() -> None:
     assert r.heavy.host(MID, key) is None
 
 
+def test_requests_without_sessions_are_published_only_where_a_peer_routes_sessions() -> None:
+    # A fleet without sessions publishes no record; where a peer routes sessions of the
+    # model, this node's requests count in what their rates are a share of.
+    for peers_sessions, published in (({}, ()), ({"big2": [(7, 1.0)]}, ((MID, (), True),))):
+        r = Router(RoutingConfig(seed=1))
+        r.update(rows_with(peers_sessions, routed=4.0), NOW)
+        for i in range(10):
+            r.best(MODEL, None, (), NOW + 100 * i)
+        assert tuple((k.model_id, k.sessions, k.routed > 0) for k in r.busiest(NOW + 1000)) == published
+
+
 def test_the_router_publishes_the_sessions_it_routed() -> None:
     r = Router(RoutingConfig(seed=1))
     r.update(rows_with({}), NOW)
