@@ -30,7 +30,7 @@ nodes disagree only while a change that moves a placement has reached some and n
 A placement made afresh from the rates alone moved with their noise: a session's rate is
 counted within 6-14%, and where it sat near a step, or near the room a host had left, it
 crossed back and forth, and the greedy packing moved the sessions placed after it too. In
-the fleet bench each agent logged a heavy session moved at 26-60 of its placements in
+the fleet bench each agent logged a heavy session moved at 26-31 of its placements in
 two minutes (one a second), every move a few percent of the fleet's requests from one
 host to another at once; replayed from the same Zipf sessions (rates exactly as the
 agents count them, scripts/bench_heavy.py), 15-23% of the placements moved one over 140
