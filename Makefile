@@ -4,7 +4,7 @@ VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 CONFIG  ?=
 
-.PHONY: setup run test bench bench-probe-steps bench-probes-ab bench-vllm bench-fleet bench-heavy bench-agent-cpu clean
+.PHONY: setup run test bench bench-probe-steps bench-probes-ab bench-vllm bench-fleet bench-agent-cpu clean
 
 setup:
 	bash scripts/setup.sh
@@ -49,11 +49,6 @@ bench-vllm: setup
 # on the first run); then a slowdown, and sessions with a host killed. About 25 minutes.
 bench-fleet: setup
 	$(PYTHON) scripts/bench_fleet.py --slowdown --sessions 300
-
-# The heavy sessions' placement replayed from the fleet bench's sessions: how often it moves
-# a session while the rates hold steady, placed afresh or kept where its host holds it.
-bench-heavy: setup
-	$(PYTHON) scripts/bench_heavy.py
 
 # One real agent among 999 peers: the simulator records what one node of a 1000-node mesh
 # receives, and the recording is replayed to the agent on real UDP. About 12 minutes, most

@@ -92,8 +92,6 @@ def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],
                 "model": _model_name(model_names, k.model_id),
                 "model_id": f"{k.model_id:016x}",
                 "sessions": [{"key": f"{key:08x}", "rps": rps} for key, rps in k.sessions],
-                "routed_rps": k.routed,
-                "held": [f"{key:08x}" for key in k.held],
             }
             for k in snap.sessions
         ],

@@ -245,10 +245,10 @@ class ChangeDetector:
 
     Urgent (relay at once): the first snapshot, a state change, a model or GPU appearing
     or disappearing, a GPU turning unhealthy or healthy again, new endpoints, a band of
-    passed-on sessions moving, the heavy sessions held here changing. Material only: a
-    figure outside its deadband, PSI appearing or vanishing, the heartbeat. Figures are
-    compared with the last *published* snapshot, not the previous tick, so a slow drift
-    still moves the version once it adds up to a band.
+    passed-on sessions moving. Material only: a figure outside its deadband, PSI appearing
+    or vanishing, the heartbeat. Figures are compared with the last *published* snapshot,
+    not the previous tick, so a slow drift still moves the version once it adds up to a
+    band.
     """
 
     def __init__(self, deadbands: Deadbands = Deadbands(), heartbeat_ms: int = 5000) -> None:
@@ -293,7 +293,4 @@ class ChangeDetector:
         if {m.key: (m.shed_start, m.shed_width) for m in old.models} \
                 != {m.key: (m.shed_start, m.shed_width) for m in new.models}:
             return "a model's band of passed-on sessions moved"
-        # The same for where the heavy sessions are (daemon/routing/heavy.py).
-        if {k.model_id: k.held for k in old.sessions if k.held} != {k.model_id: k.held for k in new.sessions if k.held}:
-            return "the heavy sessions held here changed"
         return ""

@@ -24,10 +24,7 @@ The top level is a map with one-letter keys::
                    itl_p99 0.1 ms*, tokens/s 0.1*, pace 0.1 ms*, shed_start 1/10000,
                    shed_width 1/10000], ...]
     "k": sessions, [[model_id u64, session key u32, rps 1/100**, ...], ...]; absent when
-         empty (a node of a fleet that routes no sessions, or an older writer)
-    "p": [[routed rps 1/100**, held session key u32, ...], ...]: per record of "k", in
-         its order, the model's requests routed here (sessions or not) and the heavy
-         sessions placed on this node; absent with "k" (and from an older writer)
+         empty (a node that routes no sessions, or an older writer)
 
 A figure marked * is held to DIGITS (3) significant decimal digits (** to 2) and sent as its log
 code (_log_code): the count of units itself below 1000, one code per mantissa above, so
@@ -83,10 +80,6 @@ MAX_TOKENS_PER_S = 100_000_000.0
 # (daemon/routing/heavy.py): fewer than 8 per model at a fleet's smallest host.
 MAX_SESSION_MODELS = 8
 MAX_SESSIONS = 8
-# Heavy sessions held, per model: a fresh placement fills a host to half its share with
-# sessions of at least 0.15 of the smallest host's (heavy.py), 26 at most where the
-# largest host has 8 times the smallest's share; the busiest 16 say enough to keep them.
-MAX_HELD = 16
 SESSION_KEY_BITS = 32
 # No snapshot within the bounds above encodes to more (the worst case is tested), so the
 # decoder refuses longer input before unpacking anything.
@@ -441,7 +434,6 @@ class ModelLoad(_Record):
 _SESSION_MODEL = _Field("model_id", "int", hi=2**64 - 1)
 _SESSION_KEY = _Field("session", "int", hi=2**SESSION_KEY_BITS - 1)
 _SESSION_RPS = _Field("rps", "fixed", hi=MAX_RPS, scale=100, digits=2)
-_ROUTED_RPS = _Field("routed", "fixed", hi=MAX_RPS, scale=100, digits=2)
 
 
 @dataclass(frozen=True)
@@ -453,33 +445,22 @@ class SessionRates:
     is heavy or not by a quarter of a host's share, so a figure moving by a few percent
     need not travel. 32-bit keys: among the few dozen sessions heavy at once, two that
     share one are a 2**-22 chance, and a client that chose its session names to collide
-    only sums its own sessions' figures.
-
-    routed: all the model's requests per second routed at this node, sessions or not,
-    counted alike: the fleet's sum is what a session's rate is a share of. held: the keys
-    of the heavy sessions placed on this node, sorted: every node keeps a heavy session
-    where its host says it is while it fits there (heavy.py)."""
+    only sums its own sessions' figures."""
 
     model_id: int
     sessions: tuple[tuple[int, float], ...]
-    held: tuple[int, ...] = ()
-    routed: float = 0.0
 
     def __post_init__(self) -> None:
         where = "SessionRates"
         object.__setattr__(self, "model_id", _check(_SESSION_MODEL, self.model_id, where))
-        for name in ("sessions", "held"):
-            value = getattr(self, name)
-            if not isinstance(value, (list, tuple)):
-                raise SnapshotError(f"{where}.{name}: expected a sequence, got {type(value).__name__}")
+        if not isinstance(self.sessions, (list, tuple)):
+            raise SnapshotError(f"{where}.sessions: expected a sequence, got {type(self.sessions).__name__}")
         pairs = []
         for pair in self.sessions:
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise SnapshotError(f"{where}.sessions: expected (key, rps) pairs, got {pair!r}")
             pairs.append((_check(_SESSION_KEY, pair[0], where), _check(_SESSION_RPS, pair[1], where)))
         object.__setattr__(self, "sessions", _sessions_in_order(pairs))
-        object.__setattr__(self, "held", _held_in_order([_check(_SESSION_KEY, k, where) for k in self.held]))
-        object.__setattr__(self, "routed", _check(_ROUTED_RPS, self.routed, where))
 
     def to_wire(self) -> list[Any]:
         out: list[Any] = [self.model_id]
@@ -487,30 +468,19 @@ class SessionRates:
             out += (key, _to_wire(_SESSION_RPS, rps))
         return out
 
-    def placed_to_wire(self) -> list[Any]:
-        """Its element of "p"."""
-        return [_to_wire(_ROUTED_RPS, self.routed), *self.held]
-
     @classmethod
-    def from_wire(cls, raw: object, placed: object = None) -> SessionRates:
-        """raw: the record of "k"; placed: its element of "p" (None: an older writer's)."""
+    def from_wire(cls, raw: object) -> SessionRates:
         where = "SessionRates"
         if not isinstance(raw, list) or len(raw) % 2 != 1:
             raise SnapshotError(f"{where}: expected an array of a model id and (key, rps) pairs")
         if len(raw) // 2 > MAX_SESSIONS:
             raise SnapshotError(f"{where}: {len(raw) // 2} sessions, at most {MAX_SESSIONS}")
-        if placed is None:
-            placed = [0]
-        if not isinstance(placed, list) or not placed:
-            raise SnapshotError(f"{where}: expected an array of the routed rate and the held session keys")
         key, rps = _SESSION_KEY.decoder, _SESSION_RPS.decoder
         record: SessionRates = object.__new__(cls)
         record.__dict__.update(
             model_id=_SESSION_MODEL.decoder(raw[0], where),
             sessions=_sessions_in_order([(key(raw[i], where), rps(raw[i + 1], where))
-                                         for i in range(1, len(raw), 2)]),
-            held=_held_in_order([key(k, where) for k in placed[1:]]),
-            routed=_ROUTED_RPS.decoder(placed[0], where))
+                                         for i in range(1, len(raw), 2)]))
         return record
 
 
@@ -518,12 +488,6 @@ def _sessions_in_order(pairs: list[tuple[int, float]]) -> tuple[tuple[int, float
     if len(pairs) > MAX_SESSIONS:
         raise SnapshotError(f"SessionRates.sessions: {len(pairs)} entries, at most {MAX_SESSIONS}")
     return _unique_sorted(pairs, operator.itemgetter(0), "SessionRates.sessions")
-
-
-def _held_in_order(keys: list[int]) -> tuple[int, ...]:
-    if len(keys) > MAX_HELD:
-        raise SnapshotError(f"SessionRates.held: {len(keys)} entries, at most {MAX_HELD}")
-    return _unique_sorted(keys, _SAME, "SessionRates.held")
 
 
 _NODE_ID = _Field("node_id", "str", lo=1, hi=MAX_NODE_ID_BYTES)
@@ -542,7 +506,6 @@ _ENDPOINT_KEY = operator.attrgetter("host", "port")
 _GPU_KEY = operator.attrgetter("index")
 _MODEL_KEY = operator.attrgetter("model_id", "port")
 _SESSIONS_KEY = operator.attrgetter("model_id")
-_SAME = operator.pos  # an int is its own key
 
 
 def _unique_sorted(items: Sequence[Any], key: Any, name: str) -> tuple[Any, ...]:
@@ -613,7 +576,6 @@ def encode(snap: LoadSnapshot) -> bytes:
     }
     if snap.sessions:
         top["k"] = [k.to_wire() for k in snap.sessions]
-        top["p"] = [k.placed_to_wire() for k in snap.sessions]
     data: bytes = msgpack.packb(top, use_bin_type=True)
     return data
 
@@ -646,9 +608,6 @@ def decode(data: bytes) -> LoadSnapshot:
             raise SnapshotError(f"{key!r}: expected array, got {type(value).__name__}")
     if len(sessions) > MAX_SESSION_MODELS:
         raise SnapshotError(f"'k': {len(sessions)} models, at most {MAX_SESSION_MODELS}")
-    placed = top.get("p", (None,) * len(sessions))
-    if not isinstance(placed, (list, tuple)) or len(placed) != len(sessions):
-        raise SnapshotError(f"'p': expected an array of {len(sessions)} arrays, one per record of 'k'")
     # Made as the dataclass's __init__ would, less its checks of the records' classes
     # (from_wire made them): 20.6 us a reference snapshot, 23.1 through __init__ (every
     # node decodes every version of every peer: scripts/bench_agent_cpu.py).
@@ -663,7 +622,7 @@ def decode(data: bytes) -> LoadSnapshot:
         host=HostLoad.from_wire(top["h"]),
         gpus=[GpuLoad.from_wire(g) for g in top["g"]],
         models=[ModelLoad.from_wire(m) for m in top["m"]],
-        sessions=[SessionRates.from_wire(k, p) for k, p in zip(sessions, placed)],
+        sessions=[SessionRates.from_wire(k) for k in sessions],
     )
     snap._settle()
     return snap

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import pytest
 
 from loadmesh.daemon.routing import Decision, PeerInput, Router, RoutingConfig
-from loadmesh.daemon.routing.heavy import ENTER, KEEP, LEAVE, MAX_HEAVY, MAX_WALK, ROOM, HeavySessions, quantized
+from loadmesh.daemon.routing.heavy import ENTER, LEAVE, MAX_HEAVY, MAX_WALK, ROOM, HeavySessions, quantized
 from loadmesh.daemon.routing.ring import HashRing, hash64
 from loadmesh.daemon.routing.session_counts import HALF_LIFE_MS, MAX_TRACKED, SessionCounts
 from loadmesh.gossip.snapshot import SessionRates
@@ -87,17 +87,10 @@ def ring_of(shares: dict[str, float]) -> HashRing:
 
 
 def place(heavy: HeavySessions, rates: dict[int, float], usable: Iterable[str] = SHARES,
-          ring: HashRing | None = None, held: dict[int, list[str]] | None = None) -> dict[int, str]:
-    """The placement of `rates` (requests per second of the fleet's 100), each session
-    in `held` said to be held by those peers."""
+          ring: HashRing | None = None) -> dict[int, str]:
     ring = ring or ring_of(SHARES)
-    heavy.place(MID, rates, 100.0, SHARES, set(usable), lambda key: ring.walk_from(key << 32), held)
+    heavy.place(MID, rates, 100.0, SHARES, set(usable), lambda key: ring.walk_from(key << 32))
     return dict(heavy.placed(MID))
-
-
-def holding(placed: dict[int, str]) -> dict[int, list[str]]:
-    """What the hosts publish once they hold what was placed on them."""
-    return {key: [node] for key, node in placed.items()}
 
 
 def keys_owned_by(ring: HashRing, node: str, n: int) -> Iterable[int]:
@@ -125,65 +118,14 @@ def test_a_heavy_session_that_fits_stays_with_its_ring_owner() -> None:
         assert place(HeavySessions(), {key: 100 * ROOM * SHARES[node] * 0.9}, ring=ring) == {key: node}
 
 
-def test_heavy_from_enter_until_below_leave_while_its_host_says_it_holds_it() -> None:
+def test_heavy_from_enter_until_below_leave() -> None:
     heavy = HeavySessions()
-    mark = 100 * min(SHARES.values())
+    smallest = min(SHARES.values())
+    mark = 100 * smallest
     assert place(heavy, {1: 0.9 * ENTER * mark}) == {}
-    placed = place(heavy, {1: 1.1 * ENTER * mark})
-    assert set(placed) == {1}
-    between = {1: 1.1 * LEAVE * mark}
-    assert place(heavy, between, held=holding(placed)) == placed  # held: stays heavy, where it is
-    assert place(heavy, between) == {}  # held by none: a new one, not yet heavy
-    assert place(heavy, {1: 0.9 * LEAVE * mark}, held=holding(placed)) == {}
-
-
-def test_a_held_session_stays_while_its_host_keeps_it_within_keep() -> None:
-    ring = ring_of(SHARES)
-    key = next(iter(keys_owned_by(ring, "big1", 1)))
-    # Between ROOM and KEEP of small's share: placed afresh, it goes to its ring owner;
-    # held by small, it stays there.
-    rate = 100 * SHARES["small"] * (ROOM + KEEP) / 2
-    assert place(HeavySessions(), {key: rate}, ring=ring) == {key: "big1"}
-    assert place(HeavySessions(), {key: rate}, ring=ring, held={key: ["small"]}) == {key: "small"}
-    # Past KEEP: placed afresh.
-    assert place(HeavySessions(), {key: 100 * SHARES["small"] * KEEP * 1.3}, ring=ring,
-                 held={key: ["small"]}) == {key: "big1"}
-    # The busiest held first: a lighter one held beside it goes where there is room.
-    other = next(iter(keys_owned_by(ring, "big2", 1)))
-    placed = place(HeavySessions(), {key: rate, other: rate * 0.6}, ring=ring,
-                   held={key: ["small"], other: ["small"]})
-    assert placed == {key: "small", other: "big2"}
-
-
-def test_of_two_hosts_that_say_they_hold_a_session_the_first_usable_along_its_ring_keeps_it() -> None:
-    ring = ring_of(SHARES)
-    key = next(iter(keys_owned_by(ring, "big1", 1)))
-    walk = [node for node in ring.walk_from(key << 32)]
-    rate = 100 * SHARES["small"] * ROOM * 0.5
-    first, second = walk[1], walk[2]
-    assert place(HeavySessions(), {key: rate}, ring=ring, held={key: [second, first]}) == {key: first}
-    # The first is lost: the one its sessions went to keeps it, not the lost one's snapshot.
-    assert place(HeavySessions(), {key: rate}, [n for n in SHARES if n != first], ring=ring,
-                 held={key: [first, second]}) == {key: second}
-
-
-def test_noise_in_the_rates_moves_no_session_its_host_holds() -> None:
-    # The fleet bench's Zipf sessions, each rate counted within 10%, placed once a
-    # second for 200 s: placed afresh each time, the noise moves some; with what the
-    # hosts publish holding, none moves once placed.
-    rng = random.Random(5)
-    zipf = [100 / k / sum(1 / j for j in range(1, 301)) for k in range(1, 13)]
-    keys = [rng.getrandbits(32) for _ in zipf]
-    moves = {"afresh": 0, "held": 0}
-    for how in moves:
-        heavy, before = HeavySessions(), None
-        for _ in range(200):
-            rates = {k: r * rng.uniform(0.9, 1.1) for k, r in zip(keys, zipf)}
-            placed = place(heavy, rates, held=holding(before) if how == "held" and before else None)
-            if before is not None:
-                moves[how] += sum(1 for k, node in placed.items() if before.get(k, node) != node)
-            before = placed
-    assert moves["afresh"] > 0 and moves["held"] == 0, moves
+    assert set(place(heavy, {1: 1.1 * ENTER * mark})) == {1}
+    assert set(place(heavy, {1: 1.1 * LEAVE * mark})) == {1}  # between the two: stays
+    assert place(heavy, {1: 0.9 * LEAVE * mark}) == {}
 
 
 def test_a_lost_host_moves_its_heavy_sessions_only() -> None:
@@ -204,20 +146,15 @@ def test_a_lost_host_moves_its_heavy_sessions_only() -> None:
 
 # --- the router --------------------------------------------------------------------------
 
-def rows_with(sessions: dict[str, list[tuple[int, float]]], held: dict[str, list[int]] | None = None,
-              me: str | None = None, routed: float = 0.0, **bands: tuple[float, float]) -> list[PeerInput]:
-    """Five peers of the fleet bench's shape (three of 4 GPUs, two of 2, each serving 20
-    requests a second), each publishing the session rates it routed, `routed` requests a
-    second routed in all (0: as an older agent, which does not say), and the heavy
-    sessions it holds; `me` the router's own."""
-    held = held or {}
+def rows_with(sessions: dict[str, list[tuple[int, float]]], **bands: tuple[float, float]) -> list[PeerInput]:
+    """Five peers of the fleet bench's shape (three of 4 GPUs, two of 2), each publishing
+    the session rates it routed."""
     out = []
     for node, gpus in (("big1", 4), ("big2", 4), ("big3", 4), ("small", 2), ("slow", 2)):
         snap = snapshot(node, gpus=gpus, rps=20.0, band=bands.get(node, (0.0, 0.0)))
-        if node in sessions or node in held:
-            records = (SessionRates(MID, sessions.get(node, ()), held.get(node, ()), routed),)
-            snap = type(snap)(**{**snap.__dict__, "sessions": records})
-        out.append(PeerInput(node, snap, True, 500, None, is_self=node == me))
+        if node in sessions:
+            snap = type(snap)(**{**snap.__dict__, "sessions": (SessionRates(MID, sessions[node]),)})
+        out.append(PeerInput(node, snap, True, 500, None))
     return out
 
 
@@ -246,83 +183,16 @@ def test_every_router_sends_a_heavy_session_to_its_placed_host_band_or_not() -> 
     assert routers_agree_on(rows_with(rates, **{placed: (0.0, 1.0)}), session) == placed
 
 
-def test_the_placed_host_publishes_what_it_holds_and_every_router_keeps_it_there() -> None:
-    session = "busy"
-    key = hash64(session) >> 32
-    rates = {node: [(key, 1.2)] for node in ("big1", "big2", "big3", "small", "slow")}  # 6%
-    placed = routers_agree_on(rows_with(rates), session)
-    r = Router(RoutingConfig(seed=1))
-    r.update(rows_with(rates, me=placed), NOW)
-    ((published,),) = [r.busiest(NOW)]
-    assert published.model_id == MID and published.held == (key,)
-    # Said to be held by another peer with room to keep it: every router sends it there.
-    other = next(n for n in ("slow", "small", "big3") if n != placed)
-    assert routers_agree_on(rows_with(rates, held={other: [key]}), session) == other
-
-
-def test_a_sessions_share_is_of_the_requests_routed_counted_alike() -> None:
-    session = "steady"
-    key = hash64(session) >> 32
-    # 0.5 a second at each of five entries: of the 100 a second served, 2.5%, light; of
-    # the 20 a second the entries say they route, 12.5%, heavy.
-    rates = {node: [(key, 0.5)] for node in ("big1", "big2", "big3", "small", "slow")}
-    r = Router(RoutingConfig(seed=1))
-    r.update(rows_with(rates, routed=4.0), NOW)
-    assert r.heavy.host(MID, key) is not None
-    # One older peer, which routes sessions without saying its total: the served figure.
-    rows = rows_with(rates, routed=4.0)
-    rows[0] = rows_with(rates)[0]
-    r = Router(RoutingConfig(seed=1))
-    r.update(rows, NOW)
-    assert r.heavy.host(MID, key) is None
-
-
-def test_requests_without_sessions_are_published_only_where_a_peer_routes_sessions() -> None:
-    # A fleet without sessions publishes no record; where a peer routes sessions of the
-    # model, this node's requests count in what their rates are a share of.
-    for peers_sessions, published in (({}, ()), ({"big2": [(7, 1.0)]}, ((MID, (), True),))):
-        r = Router(RoutingConfig(seed=1))
-        r.update(rows_with(peers_sessions, routed=4.0), NOW)
-        for i in range(10):
-            r.best(MODEL, None, (), NOW + 100 * i)
-        assert tuple((k.model_id, k.sessions, k.routed > 0) for k in r.busiest(NOW + 1000)) == published
-
-
 def test_the_router_publishes_the_sessions_it_routed() -> None:
     r = Router(RoutingConfig(seed=1))
     r.update(rows_with({}), NOW)
     for i in range(40):
         r.best(MODEL, "chatty", (), NOW + 100 * i)
     r.best(MODEL, "quiet", (), NOW + 4000)
-    r.best(MODEL, None, (), NOW + 4000)
     (published,) = r.busiest(NOW + 4000)
     assert published.model_id == MID
     keys = dict(published.sessions)
     assert keys[hash64("chatty") >> 32] > keys[hash64("quiet") >> 32] > 0
-    # Every request routed counts, of a session or not.
-    assert published.routed > sum(keys.values())
-
-
-def test_every_request_routed_counts_at_the_rate_the_sessions_do() -> None:
-    counts = SessionCounts(max_models=1)
-    for ms in range(0, 10 * HALF_LIFE_MS, 100):
-        counts.routed(MID, ms)
-        if ms % 400 == 0:
-            counts.saw(MID, 9, ms)
-    now = 10 * HALF_LIFE_MS
-    assert counts.routed_rates(now)[MID] == pytest.approx(10.0, rel=0.01)
-    assert counts.busiest(1, 1, now)[MID][0][1] == pytest.approx(counts.routed_rates(now)[MID] / 4, rel=0.01)
-    counts.routed(MID + 1, now)  # past max_models: not counted
-    assert MID + 1 not in counts.routed_rates(now)
-
-
-def test_requests_routed_before_the_first_session_do_not_lower_its_rate() -> None:
-    counts = SessionCounts(max_models=1)
-    for ms in range(0, 30_000, 100):
-        counts.routed(MID, ms)
-    for ms in range(30_000, 70_000, 500):
-        counts.saw(MID, 3, ms)
-    assert counts.busiest(1, 1, 70_000)[MID][0][1] == pytest.approx(2.0, rel=0.05)
 
 
 def test_a_new_session_counts_at_its_rate_before_a_half_life_and_low_before_that() -> None:

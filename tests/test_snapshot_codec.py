@@ -12,7 +12,6 @@ from loadmesh.gossip.snapshot import (
     DIGITS,
     MAX_ENCODED_BYTES,
     MAX_GPUS,
-    MAX_HELD,
     MAX_MODELS,
     MAX_SESSION_MODELS,
     MAX_SESSIONS,
@@ -82,8 +81,6 @@ session_rates = st.builds(
     model_id=st.integers(0, 2**64 - 1),
     sessions=st.lists(st.tuples(st.integers(0, 2**32 - 1), _num(1e7)), max_size=MAX_SESSIONS,
                       unique_by=lambda pair: pair[0]),
-    held=st.lists(st.integers(0, 2**32 - 1), max_size=MAX_HELD, unique=True),
-    routed=_num(1e7),
 )
 snapshots = st.builds(
     LoadSnapshot,
@@ -169,8 +166,7 @@ def test_largest_possible_snapshot_fits_decoder_limit() -> None:
         ],
         models=[ModelLoad(2**64 - 1 - i, 65535, 1e7, 1.0, 3.6e6, 3.6e6, 2**32 - 1, 2**32 - 1,
                           2**32 - 1, 3.6e6, 3.6e6, 1e8) for i in range(64)],
-        sessions=[SessionRates(2**64 - 1 - i, [(2**32 - 1 - j, 1e7) for j in range(MAX_SESSIONS)],
-                               [2**32 - 1 - j for j in range(MAX_HELD)], 1e7)
+        sessions=[SessionRates(2**64 - 1 - i, [(2**32 - 1 - j, 1e7) for j in range(MAX_SESSIONS)])
                   for i in range(MAX_SESSION_MODELS)],
     )
     data = encode(biggest)
@@ -333,15 +329,6 @@ BAD = {
     "session key past 32 bits": lambda w: w.update(k=[[1, 2**32, 1]]),
     "session without its rate": lambda w: w.update(k=[[1, 5]]),
     "session rate as a float": lambda w: w.update(k=[[1, 5, 1.5]]),
-    "placed without sessions": lambda w: w.update(p=[[100, 5]]),
-    "placed for fewer models than sessions": lambda w: w.update(k=[[1, 5, 1], [2]], p=[[100, 5]]),
-    "placed as a map": lambda w: w.update(k=[[1, 5, 1]], p={}),
-    "placed record as a map": lambda w: w.update(k=[[1, 5, 1]], p=[{}]),
-    "placed record empty": lambda w: w.update(k=[[1, 5, 1]], p=[[]]),
-    "routed rate as a float": lambda w: w.update(k=[[1, 5, 1]], p=[[1.5]]),
-    "duplicate held session": lambda w: w.update(k=[[1, 5, 1]], p=[[100, 7, 7]]),
-    "too many held sessions": lambda w: w.update(k=[[1]], p=[[100, *range(MAX_HELD + 1)]]),
-    "held key past 32 bits": lambda w: w.update(k=[[1]], p=[[100, 2**32]]),
 }
 
 
@@ -358,18 +345,6 @@ def test_a_duplicate_names_the_field_it_is_in() -> None:
         decode(_mutated(BAD["duplicate sessions' model"]))
     with pytest.raises(SnapshotError, match=r"^LoadSnapshot\.models: duplicate "):
         decode(_mutated(BAD["duplicate model"]))
-    with pytest.raises(SnapshotError, match=r"^SessionRates\.held: duplicate 7$"):
-        decode(_mutated(BAD["duplicate held session"]))
-
-
-def test_held_sessions_travel_beside_the_rates_and_an_older_writer_holds_none() -> None:
-    snap = replace(typical(n_sessions=2), sessions=[SessionRates(1, [(5, 1.0)], [9, 3], routed=20.0),
-                                                    SessionRates(2, [(6, 2.0)], routed=3.0)])
-    wire = msgpack.unpackb(encode(snap))
-    assert [k[0] for k in wire["k"]] == [1, 2] and [p[1:] for p in wire["p"]] == [[3, 9], []]
-    assert decode(encode(snap)) == snap
-    del wire["p"]  # as an older writer sends it
-    assert [(k.held, k.routed) for k in decode(msgpack.packb(wire)).sessions] == [((), 0.0), ((), 0.0)]
 
 
 @pytest.mark.parametrize(

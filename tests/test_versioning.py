@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from loadmesh.daemon.state_files import BadStateFile
 from loadmesh.daemon.versioning import ChangeDetector, Deadband, Deadbands, VersionClock, VersionStore
-from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState, SessionRates
+from loadmesh.gossip.snapshot import Endpoint, GpuLoad, HostLoad, LoadSnapshot, ModelLoad, NodeState
 
 NOW = 1_764_500_000_000
 
@@ -222,7 +222,6 @@ WOBBLES = {
     "p50": dict(models=model(p50_ms=58.0)),
     "p99": dict(models=model(p99_ms=235.0)),
     "timestamp": dict(timestamp_ms=NOW + 4999),
-    "sessions' rates": dict(sessions=(SessionRates(7, ((5, 1.0),)),)),  # they ride along
 }
 
 
@@ -268,7 +267,6 @@ URGENT = {
     "gpu failed": dict(gpus=gpu0(healthy=False)),
     "gpu gone": dict(gpus=gpu0()[1:]),
     "endpoints": dict(endpoints=(Endpoint("10.0.0.2", 8000),)),
-    "heavy session held": dict(sessions=(SessionRates(7, ((5, 1.0),), (5,)),)),
 }
 
 

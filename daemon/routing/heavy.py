@@ -26,23 +26,6 @@ sessions, which its band bounds as before; it counts the heavy ones' load like a
 Rates are compared in steps of 2**(1/4) (19%): a figure's noise moves a placement only
 where it crosses a step. Each node recomputes the placement from the same snapshots, so
 nodes disagree only while a change that moves a placement has reached some and not others.
-
-A placement made afresh from the rates alone moved with their noise: a session's rate is
-counted within 6-14%, and where it sat near a step, or near the room a host had left, it
-crossed back and forth, and the greedy packing moved the sessions placed after it too. In
-the fleet bench each agent logged a heavy session moved at 26-31 of its placements in
-two minutes (one a second), every move a few percent of the fleet's requests from one
-host to another at once; replayed from the same Zipf sessions (rates exactly as the
-agents count them, scripts/bench_heavy.py), 15-23% of the placements moved one over 140
-seconds of steady rates, and 0-1% held. So each host publishes the heavy sessions placed
-on it (SessionRates.held), and a session stays where a host says it is while that host's
-heavy sessions, with it, stay within KEEP of its share: a hysteresis between ROOM (where
-a fresh placement stops) and KEEP, on a history that every node reads from the same
-snapshots, not on each node's own (kept by each node's previous placement instead, hosts
-that had seen the rates in a different order placed differently for good, and two agreed
-79% of the time). A session held is heavy down to LEAVE, one that no host holds from
-ENTER. Two hosts that both say they hold one (a move under way) keep it on the first of
-them along its ring.
 """
 
 from __future__ import annotations
@@ -55,7 +38,6 @@ from loadmesh.daemon.routing.ring import stepped
 ENTER = 0.25
 LEAVE = 0.15
 ROOM = 0.5
-KEEP = 0.75
 # Bounds on the work of a placement, whatever the peers publish: the busiest MAX_HEAVY
 # sessions of a model are placed, each among the first MAX_WALK peers along its ring.
 MAX_HEAVY = 64
@@ -72,6 +54,7 @@ class HeavySessions:
     """Per model, the heavy sessions (by key) and the host placed for each."""
 
     def __init__(self) -> None:
+        self._heavy: dict[int, set[int]] = {}
         self._hosts: dict[int, dict[int, str]] = {}
 
     def host(self, model_id: int, session: int) -> str | None:
@@ -86,83 +69,62 @@ class HeavySessions:
         return self._hosts
 
     def forget_except(self, model_ids: set[int]) -> None:
+        for gone in self._heavy.keys() - model_ids:
+            del self._heavy[gone]
         for gone in self._hosts.keys() - model_ids:
             del self._hosts[gone]
 
     def place(self, model_id: int, rates: Mapping[int, float], rps: float,
               shares: Mapping[str, float], usable: Collection[str],
-              walk: Callable[[int], Iterable[str]],
-              held: Mapping[int, Collection[str]] | None = None) -> None:
+              walk: Callable[[int], Iterable[str]]) -> None:
         """rates: session key -> the fleet's requests per second of it; rps: the model's
         requests per second at its candidates; shares: each peer's share of the ring's
         weight, every peer known to serve the model (summing to 1); usable: the
-        candidates among them; walk(key): the ring's peers from the key's point; held:
-        session key -> the peers that publish holding it.
+        candidates among them; walk(key): the ring's peers from the key's point.
 
-        Sessions held where they still fit (KEEP) stay, busiest first; the others are
-        placed afresh, busiest first. Placed first as if every known peer were a
-        candidate, then, for those whose host is not, again among the candidates with the
-        room the others left: a host lost (or draining) moves its own heavy sessions and
-        no other's. Among the candidates alone, the survivors' shares grew with the loss,
-        some sessions now fitted their ring owner, and a greedy placement moved 65 of 250
-        of the survivors' heavy sessions over 50 draws of the fleet bench's rates
-        (tests/test_routing_heavy.py)."""
-        held = held or {}
+        Placed first as if every known peer were a candidate, then, for those whose host
+        is not, again among the candidates with the room the others left: a host lost
+        (or draining) moves its own heavy sessions and no other's. Among the candidates
+        alone, the survivors' shares grew with the loss, some sessions now fitted their
+        ring owner, and a greedy placement moved 65 of 250 of the survivors' heavy
+        sessions over 50 draws of the fleet bench's rates (tests/test_routing_heavy.py)."""
         if rps <= 0 or not shares or not rates:
+            self._heavy.pop(model_id, None)
             self._hosts.pop(model_id, None)
             return
         smallest = min(shares.values())
+        was = self._heavy.get(model_id, set())
         # A share above 1 is a peer's error or a lie: it weighs as the whole model.
         heavy = {key: quantized(min(1.0, rate / rps)) for key, rate in rates.items()
-                 if rate / rps >= (LEAVE if held.get(key) else ENTER) * smallest}
+                 if rate / rps >= (LEAVE if key in was else ENTER) * smallest}
         order = sorted(heavy, key=lambda k: (-heavy[k], k))[:MAX_HEAVY]
-        load = dict.fromkeys(shares, 0.0)
-        hosts: dict[int, str] = {}
-        for key in order:
-            if (node := _holder(key, held, shares, usable, walk)) is not None \
-                    and load[node] + heavy[key] <= KEEP * shares[node]:
-                hosts[key] = node
-                load[node] += heavy[key]
-        for key in order:
-            if key not in hosts and (node := _fit(key, heavy[key], shares, load, walk)) is not None:
-                hosts[key] = node
+        self._heavy[model_id] = set(order)
+        held = dict.fromkeys(shares, 0.0)
+        hosts = {key: node for key in order if (node := _fit(key, heavy[key], shares, held, walk)) is not None}
         for key in order:
             if key in hosts and hosts[key] not in usable:
-                load[hosts.pop(key)] -= heavy[key]
+                held[hosts.pop(key)] -= heavy[key]
         for key in order:
-            if key not in hosts and (node := _fit(key, heavy[key], shares, load, walk, usable)) is not None:
+            if key not in hosts and (node := _fit(key, heavy[key], shares, held, walk, usable)) is not None:
                 hosts[key] = node
-        self._hosts[model_id] = {key: hosts[key] for key in order if key in hosts}
+        self._hosts[model_id] = hosts
 
 
-def _holder(key: int, held: Mapping[int, Collection[str]], shares: Mapping[str, float],
-            usable: Collection[str], walk: Callable[[int], Iterable[str]]) -> str | None:
-    """The peer that says it holds the session, a usable one first (a lost host's
-    snapshot still says what it held, and the peer its sessions went to says so too); of
-    two or more (a move under way), the first along its ring; None where no peer that
-    serves the model does."""
-    holders = [node for node in held.get(key, ()) if node in shares]
-    holders = [node for node in holders if node in usable] or holders
-    if len(holders) <= 1:
-        return holders[0] if holders else None
-    return next((node for node in itertools.islice(walk(key), MAX_WALK) if node in holders), min(holders))
-
-
-def _fit(key: int, share: float, shares: Mapping[str, float], load: dict[str, float],
+def _fit(key: int, share: float, shares: Mapping[str, float], held: dict[str, float],
          walk: Callable[[int], Iterable[str]], among: Collection[str] | None = None) -> str | None:
     """The first of the first MAX_WALK peers along the key's walk whose heavy sessions,
     with this one, stay within ROOM of its share, else the one of them with the most room
-    left (the first such); counted into `load`."""
+    left (the first such); counted into `held`."""
     roomiest: str | None = None
     for node in itertools.islice(walk(key), MAX_WALK):
         if node not in shares or (among is not None and node not in among):
             continue
-        left = ROOM * shares[node] - load[node]
+        left = ROOM * shares[node] - held[node]
         if share <= left:
             roomiest = node
             break
-        if roomiest is None or left > ROOM * shares[roomiest] - load[roomiest]:
+        if roomiest is None or left > ROOM * shares[roomiest] - held[roomiest]:
             roomiest = node
     if roomiest is not None:
-        load[roomiest] += share
+        held[roomiest] += share
     return roomiest

@@ -62,8 +62,7 @@ from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
 from loadmesh.daemon.routing.reasons import Reason
 from loadmesh.daemon.routing.ring import HashRing, hash64
 from loadmesh.daemon.routing.shed import Seat, Shedding, passes_on
-from loadmesh.gossip.snapshot import (MAX_HELD, MAX_SESSION_MODELS, MAX_SESSIONS, SESSION_KEY_BITS, NodeState,
-                                      SessionRates)
+from loadmesh.gossip.snapshot import MAX_SESSION_MODELS, MAX_SESSIONS, SESSION_KEY_BITS, NodeState, SessionRates
 from loadmesh.model_id import model_id
 
 Outcome = Literal["ok", "error", "timeout"]
@@ -216,7 +215,6 @@ class Router:
         self._shed_ms: int | None = None  # when the bands last took in the loads
         self.heavy = HeavySessions()
         self._placed_ms: int | None = None  # when the heavy sessions were last placed
-        self._session_models: set[int] = set()  # models whose sessions some peer routes
 
     def update(self, peers: Sequence[PeerInput], now_ms: int, complete: bool = True) -> None:
         """Take the table's rows: all of them (complete: a peer not among them is gone),
@@ -314,7 +312,6 @@ class Router:
             return NoCandidate(model, Reason.UNKNOWN_MODEL, {})
         excluded = exclude if isinstance(exclude, (set, frozenset)) else frozenset(exclude)
         share = self._share.multiplier(self._fleet_rps, now_ms)
-        self.shedding.counts.routed(entry.model_id, now_ms)
 
         def usable(c: Candidate) -> bool:
             p = c.peer
@@ -409,66 +406,32 @@ class Router:
             self._place_heavy()
 
     def _place_heavy(self) -> None:
-        """Places each model's heavy sessions (heavy.py) from the rates its live peers
-        publish and where every peer, lost or not, says it holds them."""
+        """Places each model's heavy sessions (heavy.py) from the rates its peers publish."""
         rates: dict[int, dict[int, float]] = {}
-        held: dict[int, dict[int, list[str]]] = {}
-        routed: dict[int, float] = {}
-        older: set[int] = set()  # models some peer routes sessions of without saying its total
         for peer in self._peers.values():
-            for model in peer.snapshot.sessions:
-                for key in model.held:
-                    held.setdefault(model.model_id, {}).setdefault(key, []).append(peer.node_id)
-                if peer.alive:
+            if peer.alive:
+                for model in peer.snapshot.sessions:
                     summed = rates.setdefault(model.model_id, {})
                     for key, rps in model.sessions:
                         summed[key] = summed.get(key, 0.0) + rps
-                    routed[model.model_id] = routed.get(model.model_id, 0.0) + model.routed
-                    if model.sessions and not model.routed:
-                        older.add(model.model_id)
         self.heavy.forget_except(set(rates))
         self.shedding.counts.forget_except(set(self._models))
-        self._session_models = {mid for mid, summed in rates.items() if summed}
         for mid, summed in rates.items():
             entry = self._models.get(mid)
             if entry is None:
                 continue
             total = sum(entry.ring.values())
-            # What the sessions' rates are a share of: the requests routed, counted alike
-            # (a ratio of two figures of the same filter, steady while the traffic is);
-            # the requests served (the probes' 10 s window) where an older peer does not
-            # say what it routed. Served, the figure moved with every window's draw, and
-            # after a host's loss it fell to what the survivors could serve while the
-            # rates still counted what the clients sent.
-            rps = routed.get(mid, 0.0) if mid not in older else 0.0
-            if rps <= 0:
-                rps = sum(m.rps for c in entry.candidates for m in c.peer.snapshot.models if m.model_id == mid)
+            rps = sum(m.rps for c in entry.candidates for m in c.peer.snapshot.models if m.model_id == mid)
             ring = self._ring(entry)
             before = dict(self.heavy.placed(mid))
             self.heavy.place(mid, summed, rps, {n: k / total for n, k in entry.ring.items()},
-                             entry.by_node.keys(), lambda key: ring.walk_from(key << _KEY_SHIFT),
-                             held.get(mid, {}))
+                             entry.by_node.keys(), lambda key: ring.walk_from(key << _KEY_SHIFT))
             _log_placements(mid, before, self.heavy.placed(mid))
 
     def busiest(self, now_ms: int) -> tuple[SessionRates, ...]:
-        """The busiest sessions routed here, per model, and the heavy sessions placed here,
-        for this node's snapshot."""
-        counts = self.shedding.counts
-        top = counts.busiest(MAX_SESSIONS, MAX_SESSION_MODELS, now_ms)
-        routed = counts.routed_rates(now_ms)
-        mine: dict[int, list[int]] = {}
-        for mid, hosts in self.heavy.models().items():
-            # Busiest first (placed() is in that order): the ones that say the most.
-            keys = [key for key, node in hosts.items() if node == self._self_id][:MAX_HELD]
-            if keys:
-                mine[mid] = keys
-        # The models it holds sessions of, then those with the most session requests here,
-        # then those that have sessions elsewhere (the requests routed here count in what
-        # a session's rate is a share of); a fleet without sessions publishes none.
-        others = sorted((mid for mid in routed if mid in self._session_models), key=routed.__getitem__, reverse=True)
-        models = list(dict.fromkeys([*mine, *top, *others]))
-        return tuple(SessionRates(mid, top.get(mid, ()), mine.get(mid, ()), routed.get(mid, 0.0))
-                     for mid in models[:MAX_SESSION_MODELS])
+        """The busiest sessions routed here, per model, for this node's snapshot."""
+        return tuple(SessionRates(mid, top) for mid, top in
+                     self.shedding.counts.busiest(MAX_SESSIONS, MAX_SESSION_MODELS, now_ms).items())
 
     def _ring(self, entry: ModelCandidates) -> HashRing:
         ring = self._rings.get(entry.model_id)
