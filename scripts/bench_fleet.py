@@ -37,7 +37,12 @@ how much of the other hosts' sessions moved and when h3 was last named. Run with
 the agents have learnt each host's batch and pace as they have in the full bench; with
 --session-warmup S, the same sessions' traffic runs S seconds more before it, in the same
 load, and the figures are of what follows (a fleet that has carried its sessions a while,
-as one in service has, rather than one whose sessions all begin at once). The
+as one in service has, rather than one whose sessions all begin at once). Beside it, on
+the same arrivals up to the kill (--session-baselines, run first): `capacity`, each
+request to a host drawn in proportion to its capacity, what any load-blind split at best
+achieves, and `capacity_sessions`, each session on one host drawn so (an ideal static
+consistent hash): at 80% load a host's queue wanders by itself, and these say how much of
+a host's occupancy no assignment of sessions can remove. The
 agents run the shipped defaults; --agent-toml appends TOML to each one's configuration, to
 measure a setting on the same fleet and arrivals (docs/routing.md: the snapshot tick).
 
@@ -301,6 +306,9 @@ def main() -> int:
     ap.add_argument("--session-warmup", type=float, default=0, metavar="S",
                     help="with --sessions, the same sessions' traffic for S seconds before the "
                          "measured run, in one load: the kill and the figures come after it")
+    ap.add_argument("--session-baselines", default="capacity,capacity_sessions", metavar="P,P",
+                    help="with --sessions, these policies first, on the same arrivals up to the "
+                         "kill (no kill): the occupancy a load-blind split gets")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--agent-toml", default="", metavar="TOML",
                     help="appended to every agent's configuration, to try a setting against "
@@ -377,6 +385,24 @@ def main() -> int:
                       f"after it: h1 share "
                       f"{s['share']['h1']:.0%}, ttft p99 {fmt_s(s['ttft_p99'])} s", flush=True)
         if args.sessions and "loadmesh" in policies:
+            warm = args.session_warmup
+            plan = arrivals(0.8 * capacity, warm + args.seconds, args.seed + 2, len(HOSTS),
+                            args.sessions)
+            kill_at, killed = warm + args.seconds / 2, 2
+            baselines = []
+            for policy in filter(None, args.session_baselines.split(",")):
+                f.reset()
+                flight = InFlight(f.urls, [h.slots for h in HOSTS])
+                load, start = f.start_load({"policy": policy, "seed": args.seed,
+                                            "arrivals": [a for a in plan if a["t"] < kill_at]})
+                rows = f.result(load, kill_at + 600)
+                flight.stop()
+                occupancy = dict(zip(HOST_NAMES, flight.occupancy(start, kill_at, warm),
+                                     strict=True))
+                sticky = affinity(rows, warm, kill_at)[1]
+                baselines.append((policy, sticky, occupancy))
+                out["runs"].append({"sessions": args.sessions, "policy": policy, "rows": rows,
+                                    "occupancy": occupancy, "sticky": sticky})
             if not loads and args.warmup > 0:
                 # Agents as they are after the runs above (or after a while in service):
                 # each host's batch and pace learnt. Cold, the small host holds the two
@@ -384,10 +410,6 @@ def main() -> int:
                 print(f"\nwarm-up: {args.warmup:g} s of loadmesh at 80%, no sessions", flush=True)
                 run("loadmesh", arrivals(0.8 * capacity, args.warmup, args.seed + 3, len(HOSTS)),
                     None)
-            warm = args.session_warmup
-            plan = arrivals(0.8 * capacity, warm + args.seconds, args.seed + 2, len(HOSTS),
-                            args.sessions)
-            kill_at, killed = warm + args.seconds / 2, 2
             f.reset()
             flight = InFlight(f.urls, [h.slots for h in HOSTS])
             bands = Bands(f.sockets)
@@ -418,6 +440,14 @@ def main() -> int:
                   f"  share of its sessions each host passed on, every 5 s:\n{widths}\n"
                   f"  share of the requests in flight / share of the slots (of the hosts "
                   f"up), every 5 s:\n{flight.timeline(start)}", flush=True)
+            if baselines:
+                print(f"  beside it, the same arrivals up to the kill (t={warm:g}-{kill_at:g} s):")
+                for policy, sticky, occupancy in [("loadmesh", fig["sticky"], over), *baselines]:
+                    worst = max(occupancy, key=occupancy.__getitem__)
+                    print(f"    {policy:17} requests on their session's host {sticky:5.1%}; "
+                          f"worst occupancy {worst} {occupancy[worst]:.2f} ("
+                          + " ".join(f"{k} {v:.2f}" for k, v in occupancy.items()) + ")",
+                          flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out))
     return 0

@@ -17,6 +17,13 @@ rejecting) and the policy:
   oracle      join the shortest queue: this process is the only client, so its own count
               of requests outstanding on each host is that host's exact queue; weighted by
               each server's real speed (its /stats, polled every 0.5 s)
+  capacity    a host drawn in proportion to its capacity (each server's slots over its
+              step, from /stats): what any load-blind split at most achieves, every host
+              getting its capacity's share of the arrivals
+  capacity_sessions
+              each session on one host for good, drawn in proportion to capacity by
+              weighted rendezvous hashing on its name (arrivals without one: as
+              capacity): an ideal static consistent hash, with no load feedback
   router      everything to `router_url` (sglang-router in front of the same servers); the
               answering server is read from the answer's id ("chatcmpl-NAME-...")
 
@@ -29,7 +36,9 @@ event), e2e_s, tokens, reason (loadmesh's), best_ms (loadmesh's /v1/best round t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import math
 import random
 import sys
 import time
@@ -50,7 +59,12 @@ class Policy:
         self.outstanding = {h["name"]: 0 for h in self.hosts}
         self.speed = {h["name"]: 1.0 for h in self.hosts}  # requests per ms of capacity
 
-    def pick(self) -> str:
+    def pick(self, session: str | None) -> str:
+        if self.kind == "capacity_sessions" and session:
+            return min(self.speed, key=lambda n: -math.log(_uniform(session, n)) / self.speed[n])
+        if self.kind in ("capacity", "capacity_sessions"):
+            names = list(self.speed)
+            return self.rng.choices(names, weights=[self.speed[n] for n in names])[0]
         if self.kind == "round_robin":
             self.turn += 1
             return self.hosts[self.turn % len(self.hosts)]["name"]
@@ -63,14 +77,24 @@ class Policy:
         raise ValueError(self.kind)
 
 
+def _uniform(session: str, host: str) -> float:
+    """A draw in (0, 1) per session and host, the same in every run."""
+    digest = hashlib.blake2b(f"{session}\x1f{host}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") + 0.5) / 2**64
+
+
+async def poll_speeds(policy: Policy, client: httpx.AsyncClient) -> None:
+    for h in policy.hosts:
+        try:
+            s = (await client.get(h["url"] + "/stats", timeout=2)).json()
+            policy.speed[h["name"]] = s["slots"] / s["step_ms"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+
+
 async def poll_speed(policy: Policy, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        for h in policy.hosts:
-            try:
-                s = (await client.get(h["url"] + "/stats", timeout=2)).json()
-                policy.speed[h["name"]] = s["slots"] / s["step_ms"]
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
+        await poll_speeds(policy, client)
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
         except TimeoutError:
@@ -151,7 +175,10 @@ async def run(plan: dict[str, Any]) -> list[dict[str, Any]]:
                                            base_url="http://loadmesh", timeout=10)
               for h in policy.hosts if h.get("socket")}
     stop = asyncio.Event()
-    poller = asyncio.create_task(poll_speed(policy, servers, stop)) if policy.kind == "oracle" else None
+    poller = None
+    if policy.kind in ("oracle", "capacity", "capacity_sessions"):
+        await poll_speeds(policy, servers)  # before the first arrival: no pick on a default
+        poller = asyncio.create_task(poll_speed(policy, servers, stop))
     results: list[dict[str, Any]] = []
     start = plan.get("start_at", time.monotonic())
     if start > time.monotonic():
@@ -184,7 +211,7 @@ async def run(plan: dict[str, Any]) -> list[dict[str, Any]]:
         elif policy.kind == "router":
             url = plan["router_url"]
         else:
-            node = policy.pick()
+            node = policy.pick(arrival.get("session"))
             url = policy.by_name[node]["url"]
         if node:
             policy.outstanding[node] += 1

@@ -183,6 +183,24 @@ def test_every_router_sends_a_heavy_session_to_its_placed_host_band_or_not() -> 
     assert routers_agree_on(rows_with(rates, **{placed: (0.0, 1.0)}), session) == placed
 
 
+def test_a_lost_peers_figures_hold_the_placement_through_its_loss() -> None:
+    # A session just under heavy (2.8 of the model's 100 requests a second, the mark at
+    # ENTER of the smallest share, 12.5: 3.125) and a heavy one; then a peer that routed
+    # none of them is lost. Summed over the live peers only, the model's requests fell by
+    # the lost one's 20 at once, the first session's share rose to 3.5%, and it became
+    # heavy and was placed: a move that the loss did not call for.
+    near, busy = (hash64(s) >> 32 for s in ("near", "busy"))
+    rates = {"big1": [(near, 2.8), (busy, 10.0)]}
+    r = Router(RoutingConfig(seed=1))
+    r.update(rows_with(rates), NOW)
+    placed = dict(r.heavy.placed(MID))
+    assert set(placed) == {busy} and placed[busy] != "slow"
+    lost = [row if row.node_id != "slow" else PeerInput("slow", row.snapshot, False, 500, None)
+            for row in rows_with(rates)]
+    r.update(lost, NOW + 2000)
+    assert dict(r.heavy.placed(MID)) == placed
+
+
 def test_the_router_publishes_the_sessions_it_routed() -> None:
     r = Router(RoutingConfig(seed=1))
     r.update(rows_with({}), NOW)
