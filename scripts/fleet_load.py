@@ -47,6 +47,8 @@ from typing import Any
 import httpx
 
 REQUEST_TIMEOUT_S = 120.0
+# The policies that weigh hosts by each server's real speed, read from its /stats.
+BY_SPEED = ("oracle", "capacity", "capacity_sessions")
 
 
 class Policy:
@@ -176,7 +178,7 @@ async def run(plan: dict[str, Any]) -> list[dict[str, Any]]:
               for h in policy.hosts if h.get("socket")}
     stop = asyncio.Event()
     poller = None
-    if policy.kind in ("oracle", "capacity", "capacity_sessions"):
+    if policy.kind in BY_SPEED:
         await poll_speeds(policy, servers)  # before the first arrival: no pick on a default
         poller = asyncio.create_task(poll_speed(policy, servers, stop))
     results: list[dict[str, Any]] = []

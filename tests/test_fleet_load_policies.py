@@ -8,6 +8,7 @@ import importlib.util
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ def fleet_load() -> ModuleType:
     return module
 
 
-def policy(kind: str, seed: int = 1) -> object:
+def policy(kind: str, seed: int = 1) -> Any:
     p = fleet_load().Policy({"hosts": [{"name": n, "url": ""} for n in HOSTS], "policy": kind,
                              "seed": seed})
     p.speed = dict(HOSTS)
