@@ -9,8 +9,10 @@ from collections.abc import Iterable
 import pytest
 
 from loadmesh.daemon.routing import Decision, PeerInput, Router, RoutingConfig
-from loadmesh.daemon.routing.heavy import ENTER, LEAVE, MAX_HEAVY, MAX_WALK, ROOM, HeavySessions, quantized
+from loadmesh.daemon.routing.heavy import (ENTER, LEAVE, MAX_HEAVY, MAX_WALK, MIDDLING, MIDDLING_LEAVE, ROOM,
+                                           HeavySessions, quantized)
 from loadmesh.daemon.routing.ring import HashRing, hash64
+from loadmesh.daemon.routing.shed import LAST
 from loadmesh.daemon.routing.session_counts import HALF_LIFE_MS, MAX_TRACKED, SessionCounts
 from loadmesh.gossip.snapshot import SessionRates
 from loadmesh.model_id import model_id
@@ -144,6 +146,25 @@ def test_a_lost_host_moves_its_heavy_sessions_only() -> None:
     assert moved_others == 0
 
 
+
+def test_a_session_weighs_from_a_sixteenth_of_the_smallest_share_until_below_its_leave() -> None:
+    key = 7
+    mark = 100 * min(SHARES.values())  # requests a second of the smallest share
+    heavy = HeavySessions()
+
+    def weighs(rate: float) -> bool:
+        place(heavy, {key: rate})
+        return heavy.weighs(MID, key)
+
+    assert not weighs(0.9 * MIDDLING * mark)
+    assert weighs(1.1 * MIDDLING * mark) and heavy.host(MID, key) is None
+    assert weighs(1.1 * MIDDLING_LEAVE * mark)  # between the marks: it still weighs
+    assert not weighs(0.9 * MIDDLING_LEAVE * mark)
+    assert weighs(1.1 * ENTER * mark) and heavy.host(MID, key) is not None  # heavy weighs too
+    place(heavy, {})
+    assert not heavy.weighs(MID, key)
+
+
 # --- the router --------------------------------------------------------------------------
 
 def rows_with(sessions: dict[str, list[tuple[int, float]]], **bands: tuple[float, float]) -> list[PeerInput]:
@@ -181,6 +202,23 @@ def test_every_router_sends_a_heavy_session_to_its_placed_host_band_or_not() -> 
     assert r.heavy.host(MID, key) == placed
     # Its host's band covers every coin: a light session would be passed on, it is not.
     assert routers_agree_on(rows_with(rates, **{placed: (0.0, 1.0)}), session) == placed
+
+
+
+def test_a_session_that_weighs_is_passed_on_only_by_a_band_over_its_owners_last_coins() -> None:
+    session = "middling"
+    key = hash64(session) >> 32
+    # 0.3 rps of the fleet's 100 at each entry: 1.5%, an eighth of the smallest share.
+    rates = {node: [(key, 0.3)] for node in ("big1", "big2", "big3", "small", "slow")}
+    owner = routers_agree_on(rows_with({}), session)
+    r = Router(RoutingConfig(seed=1))
+    r.update(rows_with(rates), NOW)
+    assert r.heavy.weighs(MID, key) and r.heavy.host(MID, key) is None
+    # A band over every light coin of its owner, guests and orphans included: kept.
+    assert routers_agree_on(rows_with(rates, **{owner: (0.0, LAST)}), session) == owner
+    assert routers_agree_on(rows_with({}, **{owner: (0.0, LAST)}), session) != owner
+    # A band over the last coins too: passed on like any.
+    assert routers_agree_on(rows_with(rates, **{owner: (0.0, 1.0)}), session) != owner
 
 
 def test_a_lost_peers_figures_hold_the_placement_through_its_loss() -> None:

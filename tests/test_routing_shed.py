@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadmesh.daemon.routing.shed import GUESTS, ORPHANS, Seat, Shedding, coin, passes_on
+from loadmesh.daemon.routing.shed import GUESTS, LAST, ORPHANS, Seat, Shedding, coin, passes_on
 
 SESSIONS = [f"session-{i}" for i in range(4000)]
 MID = 1
@@ -21,18 +21,20 @@ T0 = 1_000_000
 def test_coin_is_stable_across_processes_and_spreads() -> None:
     # Every host must draw the same coin: no per-process salt.
     draw = 0xF038CA0B841509F9 / 2**64  # BLAKE2b-64 of "gpu-a\x1fsession-1"
-    assert coin("gpu-a", "session-1", Seat.OWN) == pytest.approx(GUESTS + draw * (1 - GUESTS))
+    assert coin("gpu-a", "session-1", Seat.OWN) == pytest.approx(GUESTS + draw * (LAST - GUESTS))
+    assert coin("gpu-a", "session-1", Seat.OWN_LAST) == pytest.approx(LAST + draw * (1 - LAST))
     assert coin("gpu-a", "session-1", Seat.GUEST) == pytest.approx(
         ORPHANS + draw * (GUESTS - ORPHANS))
     assert coin("gpu-a", "session-1", Seat.ORPHAN) == pytest.approx(draw * ORPHANS)
     own = [coin("gpu-a", s, Seat.OWN) for s in SESSIONS]
     guest = [coin("gpu-a", s, Seat.GUEST) for s in SESSIONS]
     orphan = [coin("gpu-a", s, Seat.ORPHAN) for s in SESSIONS]
+    last = [coin("gpu-a", s, Seat.OWN_LAST) for s in SESSIONS]
     # A band growing from 0 reaches a lost peer's sessions first, then the guests that
-    # live peers pass on, then the peer's own.
-    half = (1 + GUESTS) / 2
+    # live peers pass on, then the peer's own, those that weigh last.
+    half = (LAST + GUESTS) / 2
     assert all(0 <= c < ORPHANS for c in orphan) and all(ORPHANS <= c < GUESTS for c in guest)
-    assert all(GUESTS <= c < 1 for c in own)
+    assert all(GUESTS <= c < LAST for c in own) and all(LAST <= c < 1 for c in last)
     assert 0.45 < sum(c < half for c in own) / len(own) < 0.55
     # Independent per peer: a session passed on by one peer is not passed on by all.
     other = [coin("gpu-b", s, Seat.OWN) for s in SESSIONS]
@@ -42,9 +44,9 @@ def test_coin_is_stable_across_processes_and_spreads() -> None:
 
 def test_band_wraps_around_the_circle_and_reaches_guests_first() -> None:
     low = next(s for s in SESSIONS if coin("n", s, Seat.GUEST) < 0.07)
-    high = next(s for s in SESSIONS if coin("n", s, Seat.OWN) > 0.95)
+    high = next(s for s in SESSIONS if coin("n", s, Seat.OWN_LAST) > 0.95)
     middle = next(s for s in SESSIONS if 0.4 < coin("n", s, Seat.OWN) < 0.8)
-    assert passes_on(0.9, 0.2, "n", low, Seat.GUEST) and passes_on(0.9, 0.2, "n", high, Seat.OWN)
+    assert passes_on(0.9, 0.2, "n", low, Seat.GUEST) and passes_on(0.9, 0.2, "n", high, Seat.OWN_LAST)
     assert not passes_on(0.9, 0.2, "n", middle, Seat.OWN)
     assert not passes_on(0.3, 0.0, "n", middle, Seat.OWN)
     assert all(passes_on(0.3, 1.0, "n", s, Seat.OWN) for s in SESSIONS[:200])

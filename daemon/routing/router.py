@@ -467,6 +467,7 @@ class Router:
         # a lost host's sessions with those a live peer passed on long before (and moved
         # both when it grew over them).
         orphan = False
+        own = Seat.OWN_LAST if self.heavy.weighs(entry.model_id, point >> _KEY_SHIFT) else Seat.OWN
         for node_id in ring.walk_from(point):
             owner = owner or node_id
             c = entry.by_node.get(node_id)
@@ -477,7 +478,7 @@ class Router:
                 alternatives.append(c)
                 if len(alternatives) == want:
                     break
-            elif passes_on(*c.band, node_id, session, Seat.OWN if node_id == owner
+            elif passes_on(*c.band, node_id, session, own if node_id == owner
                            else Seat.ORPHAN if orphan else Seat.GUEST):
                 passed.append(c)
             else:

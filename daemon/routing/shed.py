@@ -2,19 +2,20 @@
 
 Each session has, for each peer, a coin in [0, 1) (BLAKE2b of the two names, so every host
 draws the same), in a part of the circle that says what the session is to that peer (Seat):
-in [GUESTS, 1) where the peer is the session's own (the first on its ring); in [ORPHANS,
+in [GUESTS, LAST) where the peer is the session's own (the first on its ring), in [LAST, 1)
+where it is its own and weighs (heavy.py: a heavy or middling session); in [ORPHANS,
 GUESTS) where it is a guest, its owner live and passing it on; in [0, ORPHANS) where it is
 an orphan, its owner gone (dead, draining, not serving), at every peer it reaches along the
 ring. A peer publishes, per model, a band of the coins: [start, start + width) around the
 circle. It passes on the sessions whose coin falls in its band, which then go to the next
 peer on their ring (router.py); it keeps the others. A band grows from 0, so a host passes
 on a lost host's sessions first, then the sessions that live peers passed on to it, then
-its own: when a host is lost, its sessions move on to where there is room, and the sessions
-of the hosts that took them stay where they are, their own and the guests they hold for a
-live peer (with one part for both kinds of guest, the hosts that took a lost host's
-sessions passed on, with them, guests held for 20 s: of the requests of the others'
-sessions that moved after a kill in the fleet bench, 5 of 6 were guests'). An orphan moved
-on has just lost its cache anyway; a guest has warmed one here. The guests' part is small:
+its own, those that weigh last: when a host is lost, its sessions move on to where there
+is room, and the sessions of the hosts that took them stay where they are, their own and
+the guests they hold for a live peer (with one part for both kinds of guest, the hosts
+that took a lost host's sessions passed on, with them, guests held for 20 s: of the
+requests of the others' sessions that moved after a kill in the fleet bench, 5 of 6 were
+guests'). An orphan moved on has just lost its cache anyway; a guest has warmed one here. The guests' part is small:
 a host with few of them must reach its own sessions soon.
 
 The band follows the host's load per slot (in flight over capacity, the batch it has
@@ -128,6 +129,7 @@ from loadmesh.gossip.snapshot import MAX_MODELS
 
 GUESTS = 0.1
 ORPHANS = 0.05
+LAST = 0.9
 _SMOOTH_MS = 2_000
 _STEP_MS = 2_000
 _GAIN = 0.35
@@ -149,7 +151,8 @@ class Seat(Enum):
 
     ORPHAN = (0.0, ORPHANS)    # its owner (the first peer on its ring) is gone
     GUEST = (ORPHANS, GUESTS)  # its owner is live and passes it on
-    OWN = (GUESTS, 1.0)        # the first peer on its ring
+    OWN = (GUESTS, LAST)       # the first peer on its ring
+    OWN_LAST = (LAST, 1.0)     # the same, a session that weighs (heavy.py): passed on last
 
 
 def coin(node_id: str, session: str, seat: Seat) -> float:
