@@ -146,7 +146,6 @@ def test_a_lost_host_moves_its_heavy_sessions_only() -> None:
     assert moved_others == 0
 
 
-
 def test_a_session_weighs_from_a_sixteenth_of_the_smallest_share_until_below_its_leave() -> None:
     key = 7
     mark = 100 * min(SHARES.values())  # requests a second of the smallest share
@@ -202,7 +201,6 @@ def test_every_router_sends_a_heavy_session_to_its_placed_host_band_or_not() -> 
     assert r.heavy.host(MID, key) == placed
     # Its host's band covers every coin: a light session would be passed on, it is not.
     assert routers_agree_on(rows_with(rates, **{placed: (0.0, 1.0)}), session) == placed
-
 
 
 def test_a_session_that_weighs_is_passed_on_only_by_a_band_over_its_owners_last_coins() -> None:

@@ -15,8 +15,8 @@ is room, and the sessions of the hosts that took them stay where they are, their
 the guests they hold for a live peer (with one part for both kinds of guest, the hosts
 that took a lost host's sessions passed on, with them, guests held for 20 s: of the
 requests of the others' sessions that moved after a kill in the fleet bench, 5 of 6 were
-guests'). An orphan moved on has just lost its cache anyway; a guest has warmed one here. The guests' part is small:
-a host with few of them must reach its own sessions soon.
+guests'). An orphan moved on has just lost its cache anyway; a guest has warmed one here.
+The guests' part is small: a host with few of them must reach its own sessions soon.
 
 The band follows the host's load per slot (in flight over capacity, the batch it has
 shown), smoothed over _SMOOTH_MS. A slot is a unit of batch, so equal load per slot is
