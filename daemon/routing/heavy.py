@@ -118,13 +118,12 @@ class HeavySessions:
         # A share above 1 is a peer's error or a lie: it weighs as the whole model.
         heavy = {key: quantized(min(1.0, rate / rps)) for key, rate in rates.items()
                  if rate / rps >= (LEAVE if key in was else ENTER) * smallest}
-        order = sorted(heavy, key=lambda k: (-heavy[k], k))[:MAX_HEAVY]
+        order = _busiest(heavy)
         self._heavy[model_id] = set(order)
         was_middling = self._middling.get(model_id, set())
         middling = {key: rate for key, rate in rates.items() if key not in heavy and rate / rps
                     >= (MIDDLING_LEAVE if key in was_middling else MIDDLING) * smallest}
-        busiest = sorted(middling, key=lambda k: (-middling[k], k))[:MAX_HEAVY]
-        self._middling[model_id] = set(busiest)
+        self._middling[model_id] = set(_busiest(middling))
         held = dict.fromkeys(shares, 0.0)
         hosts = {key: node for key in order if (node := _fit(key, heavy[key], shares, held, walk)) is not None}
         for key in order:
@@ -134,6 +133,11 @@ class HeavySessions:
             if key not in hosts and (node := _fit(key, heavy[key], shares, held, walk, usable)) is not None:
                 hosts[key] = node
         self._hosts[model_id] = hosts
+
+
+def _busiest(rates: Mapping[int, float]) -> list[int]:
+    """The MAX_HEAVY busiest session keys, busiest first (ties by key: alike everywhere)."""
+    return sorted(rates, key=lambda k: (-rates[k], k))[:MAX_HEAVY]
 
 
 def _fit(key: int, share: float, shares: Mapping[str, float], held: dict[str, float],

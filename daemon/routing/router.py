@@ -453,7 +453,8 @@ class Router:
         sessions' rates), so every host holding the same snapshots makes the same choice."""
         ring = self._ring(entry)
         want = self.config.alternatives
-        placed = self.heavy.host(entry.model_id, point >> _KEY_SHIFT)
+        key = point >> _KEY_SHIFT
+        placed = self.heavy.host(entry.model_id, key)
         if placed is not None and (host := entry.by_node.get(placed)) is not None and usable(host):
             walk = (entry.by_node.get(n) for n in ring.walk_from(point))
             rest = itertools.islice((c for c in walk if c is not None and c is not host and usable(c)), want)
@@ -467,7 +468,7 @@ class Router:
         # a lost host's sessions with those a live peer passed on long before (and moved
         # both when it grew over them).
         orphan = False
-        own = Seat.OWN_LAST if self.heavy.weighs(entry.model_id, point >> _KEY_SHIFT) else Seat.OWN
+        own = Seat.OWN_LAST if self.heavy.weighs(entry.model_id, key) else Seat.OWN
         for node_id in ring.walk_from(point):
             owner = owner or node_id
             c = entry.by_node.get(node_id)
