@@ -32,7 +32,8 @@ session entering at different hosts within a second went to the same host, each 
 share of the requests in flight (time-averaged) over its share of the fleet's batch slots
 (equal when every host is equally busy: a slot is one stream, so a host at half the speed
 holds each request twice as long and, equally busy, takes half as many), and after the kill,
-how much of the other hosts' sessions moved and when h3 was last named. Run without
+how much of the other hosts' sessions moved and when h3 was last named, with the same count
+over an equal window before the kill beside it: what the bands move with no kill. Run without
 --loads, the sessions run follows --warmup seconds of loadmesh without sessions, so that
 the agents have learnt each host's batch and pace as they have in the full bench; with
 --session-warmup S, the same sessions' traffic runs S seconds more before it, in the same
@@ -55,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -139,12 +141,28 @@ def shift_s(rows: list[dict[str, Any]], host: str, at_s: float, before: float,
 
 
 def moved(rows: list[dict[str, Any]], home: dict[str, str], killed: str,
-          from_s: float) -> tuple[float, int]:
-    """Of the requests from from_s of the sessions whose home is not the killed host, the
-    share sent elsewhere than their home, and how many there were."""
-    after = [r for r in rows if r["host"] and r["t"] >= from_s and home.get(r["session"])
+          from_s: float, to_s: float = math.inf) -> tuple[float, int]:
+    """Of the requests from from_s to to_s of the sessions whose home is not the killed
+    host, the share sent elsewhere than their home, and how many there were."""
+    after = [r for r in rows if r["host"] and from_s <= r["t"] < to_s and home.get(r["session"])
              not in (None, killed)]
     return sum(r["host"] != home[r["session"]] for r in after) / max(1, len(after)), len(after)
+
+
+def churn(rows: list[dict[str, Any]], kill_at: float, killed: str,
+          from_s: float) -> tuple[float, float | None, float | None]:
+    """The same count as moved_after over equal windows, one from kill_at + 4 s and one as
+    far before the kill, with no kill in it (its home from the 10 s before it): what the
+    bands move anyway, which a kill need not have caused. (window, after, before)."""
+    end = max((r["t"] for r in rows), default=kill_at)
+    window = min(end - kill_at - 4, kill_at - from_s - 14)
+    if window <= 0:
+        return 0.0, None, None
+    ref = kill_at - 4 - window
+    before = moved(rows, affinity(rows, ref - 10, ref)[0], killed, ref + 4, kill_at)[0]
+    after = moved(rows, affinity(rows, kill_at - 10, kill_at)[0], killed, kill_at + 4,
+                  kill_at + 4 + window)[0]
+    return window, after, before
 
 
 def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str,
@@ -163,6 +181,7 @@ def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str,
     return {"sticky": sticky, "agree": agree, "pairs": pairs,
             "moved_after": moved_after, "after": after,
             "moved_after_by_first_half": moved(rows, home, killed, kill_at + 4)[0],
+            "churn": churn(rows, kill_at, killed, from_s),
             "killed_last_s": max(named, default=0.0),
             "reasons": Counter(r["reason"] for r in rows if r["reason"]).most_common(4)}
 
@@ -437,6 +456,9 @@ def main() -> int:
                   f"their most common host before the kill "
                   f"{fig['moved_after_by_first_half']:.1%}); {HOSTS[killed].name} last named "
                   f"{fig['killed_last_s']:.1f} s after; {dict(fig['reasons'])}\n"
+                  f"  over {fig['churn'][0]:g} s windows, moved after the kill "
+                  f"{fmt_pct(fig['churn'][1])}, before it (no kill: the bands' churn) "
+                  f"{fmt_pct(fig['churn'][2])}\n"
                   f"  share of its sessions each host passed on, every 5 s:\n{widths}\n"
                   f"  share of the requests in flight / share of the slots (of the hosts "
                   f"up), every 5 s:\n{flight.timeline(start)}", flush=True)

@@ -1,0 +1,45 @@
+"""The fleet bench's figures of sessions moved by a kill (scripts/bench_fleet.py): what
+moved after it, and, over an equal window before it, what the bands moved anyway."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_fleet() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "tests"))
+    spec = importlib.util.spec_from_file_location("bench_fleet", ROOT / "scripts" / "bench_fleet.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(t: float, session: str, host: str) -> dict[str, Any]:
+    return {"t": t, "session": session, "host": host, "entry": "h1", "reason": "session"}
+
+
+def test_churn_counts_equal_windows_on_either_side_of_the_kill() -> None:
+    # Sessions from t=30, the kill at 60, the run to 90: windows of 16 s, [44, 60) with
+    # homes from [30, 40), and [64, 80) with homes from [50, 60).
+    rows = [row(t, "s1", "h1") for t in range(30, 90)]
+    rows += [row(t, "s2", "h2" if t < 50 else "h4") for t in range(30, 90)]  # moved before
+    rows += [row(t, "s3", "h3") for t in range(30, 60)]  # on the killed host: not counted
+    rows += [row(t, "s4", "h4" if t < 70 else "h5") for t in range(30, 90)]  # moved after
+    window, after, before = bench_fleet().churn(rows, 60.0, "h3", 30.0)
+    assert window == 16
+    # Before: s1 and s4 at home, s2 away from 50 (10 of its 16); after: s1 and s2 (now
+    # at home on h4) stay, s4 away from 70 (10 of 16).
+    assert before == 10 / 48
+    assert after == 10 / 48
+
+
+def test_churn_has_no_windows_without_room_before_the_kill() -> None:
+    rows = [row(t, "s1", "h1") for t in range(30, 90)]
+    assert bench_fleet().churn(rows, 40.0, "h3", 30.0) == (0.0, None, None)
