@@ -9,8 +9,8 @@ from collections.abc import Iterable
 import pytest
 
 from loadmesh.daemon.routing import Decision, PeerInput, Router, RoutingConfig
-from loadmesh.daemon.routing.heavy import (ENTER, LEAVE, MAX_HEAVY, MAX_WALK, MIDDLING, MIDDLING_LEAVE, ROOM,
-                                           HeavySessions, quantized)
+from loadmesh.daemon.routing.heavy import (ALONE, ENTER, LEAVE, MAX_HEAVY, MAX_WALK, MIDDLING, MIDDLING_LEAVE,
+                                           ROOM, HeavySessions, quantized)
 from loadmesh.daemon.routing.ring import HashRing, hash64
 from loadmesh.daemon.routing.shed import LAST
 from loadmesh.daemon.routing.session_counts import HALF_LIFE_MS, MAX_TRACKED, SessionCounts
@@ -117,7 +117,20 @@ def test_a_heavy_session_that_fits_stays_with_its_ring_owner() -> None:
     ring = ring_of(SHARES)
     for node in SHARES:
         key = next(iter(keys_owned_by(ring, node, 1)))
-        assert place(HeavySessions(), {key: 100 * ROOM * SHARES[node] * 0.9}, ring=ring) == {key: node}
+        assert place(HeavySessions(), {key: 100 * ALONE * SHARES[node] * 0.9}, ring=ring) == {key: node}
+
+
+def test_a_session_that_alone_would_fill_a_host_past_a_third_goes_on_along_its_ring() -> None:
+    # Within the small host's room for heavy sessions (half its share), but 0.45 of its
+    # share in one session: the first host along the ring of which it is at most a third
+    # takes it.
+    ring = ring_of(SHARES)
+    key = next(iter(keys_owned_by(ring, "small", 1)))
+    rate = 100 * 0.45 * SHARES["small"]
+    assert ALONE * SHARES["small"] < quantized(rate / 100) <= ROOM * SHARES["small"]
+    fits = next(n for n in ring.walk_from(key << 32) if quantized(rate / 100) <= ALONE * SHARES[n])
+    assert place(HeavySessions(), {key: rate}, ring=ring) == {key: fits}
+    assert fits.startswith("big")
 
 
 def test_heavy_from_enter_until_below_leave() -> None:
