@@ -4,7 +4,6 @@ moved after it, and, over an equal window before it, what the bands moved anyway
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -13,7 +12,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def bench_fleet() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "tests"))
     spec = importlib.util.spec_from_file_location("bench_fleet", ROOT / "scripts" / "bench_fleet.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -28,7 +28,7 @@ the small host (4 slots of 20) held the second busiest session, half its share, 
 ROOM, and held 1.35-1.40 times its share of the requests in flight over four runs (the
 large hosts 0.77-1.03), where the same requests a second on a larger host queue less. At
 most a third of a host's share alone, the session went to a large host, and the small
-host held 0.89-1.26 times its share, the busiest host 1.12-1.26, in ten runs.
+host held 0.89-1.26 times its share, the busiest host 1.10-1.26, in ten runs.
 
 A session below heavy but at least MIDDLING of the smallest share (until below
 MIDDLING_LEAVE) is middling: its owner's band passes it on last, after every light
