@@ -10,7 +10,7 @@ import pytest
 
 from loadmesh.daemon.routing import Decision, PeerInput, Router, RoutingConfig
 from loadmesh.daemon.routing.heavy import (ALONE, ENTER, LEAVE, MAX_HEAVY, MAX_WALK, MIDDLING, MIDDLING_LEAVE,
-                                           ROOM, HeavySessions, quantized)
+                                           ROOM, HeavySessions, quantized, quantized_from)
 from loadmesh.daemon.routing.ring import HashRing, hash64
 from loadmesh.daemon.routing.shed import LAST
 from loadmesh.daemon.routing.session_counts import HALF_LIFE_MS, MAX_TRACKED, SessionCounts
@@ -79,6 +79,18 @@ def test_quantized_steps() -> None:
     assert quantized(0.5) == 0.5
     assert quantized(0.52) == 0.5  # within half a step
     assert quantized(0.55) == pytest.approx(2 ** -0.75)
+
+
+def test_a_step_holds_until_the_share_is_a_whole_step_from_it() -> None:
+    step, low = 2 ** 0.25, 2 ** -4.25  # low: a step, 5.3%
+    mid = low * step ** 0.5  # rounding's midpoint between it and the next step up
+    assert quantized(mid * 1.01) != quantized(mid * 0.99)  # rounding alone: noise flips it
+    held = quantized_from(mid * 0.99, None)
+    assert held == pytest.approx(low)
+    for wobble in (1.01, 0.99, 1.05, 0.95, 1.09):
+        assert quantized_from(mid * wobble, held) == held
+    assert quantized_from(low * step * 1.01, held) == quantized(low * step)  # a whole step on
+    assert quantized_from(low / step / 1.01, held) == quantized(low / step)  # or back
 
 
 SHARES = {"big1": 0.25, "big2": 0.25, "big3": 0.25, "small": 0.125, "slow": 0.125}
