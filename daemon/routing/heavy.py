@@ -92,14 +92,14 @@ class HeavySessions:
     """Per model, the heavy sessions (by key) and the host placed for each."""
 
     def __init__(self) -> None:
-        self._heavy: dict[int, set[int]] = {}
         self._hosts: dict[int, dict[int, str]] = {}
         self._middling: dict[int, set[int]] = {}
+        # Per model, each heavy session's step (quantized_from): its keys are the heavy ones.
         self._steps: dict[int, dict[int, float]] = {}
 
     def weighs(self, model_id: int, session: int) -> bool:
         """Whether the session is heavy or middling: passed on last by its owner's band."""
-        return session in self._heavy.get(model_id, ()) or session in self._middling.get(model_id, ())
+        return session in self._steps.get(model_id, ()) or session in self._middling.get(model_id, ())
 
     def host(self, model_id: int, session: int) -> str | None:
         hosts = self._hosts.get(model_id)
@@ -113,8 +113,6 @@ class HeavySessions:
         return self._hosts
 
     def forget_except(self, model_ids: set[int]) -> None:
-        for gone in self._heavy.keys() - model_ids:
-            del self._heavy[gone]
         for gone in self._hosts.keys() - model_ids:
             del self._hosts[gone]
         for gone in self._middling.keys() - model_ids:
@@ -137,19 +135,16 @@ class HeavySessions:
         ring owner, and a greedy placement moved 65 of 250 of the survivors' heavy
         sessions over 50 draws of the fleet bench's rates (tests/test_routing_heavy.py)."""
         if rps <= 0 or not shares or not rates:
-            self._heavy.pop(model_id, None)
             self._hosts.pop(model_id, None)
             self._middling.pop(model_id, None)
             self._steps.pop(model_id, None)
             return
         smallest = min(shares.values())
-        was = self._heavy.get(model_id, set())
         steps = self._steps.get(model_id, {})
         # A share above 1 is a peer's error or a lie: it weighs as the whole model.
         heavy = {key: quantized_from(min(1.0, rate / rps), steps.get(key)) for key, rate in rates.items()
-                 if rate / rps >= (LEAVE if key in was else ENTER) * smallest}
+                 if rate / rps >= (LEAVE if key in steps else ENTER) * smallest}
         order = _busiest(heavy)
-        self._heavy[model_id] = set(order)
         self._steps[model_id] = {key: heavy[key] for key in order}
         was_middling = self._middling.get(model_id, set())
         middling = {key: rate for key, rate in rates.items() if key not in heavy and rate / rps
