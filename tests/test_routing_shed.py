@@ -91,10 +91,11 @@ def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
     shed = Shedding(0.15)
     run(shed, 5.0, own=7, fleet=40, gone=1)
     assert shed.band(MID) == (0.0, 0.0)
+    # A growth spends all the evidence: at 1.9 times its share, the next one comes 8 s on.
     widths = []
     now = T0 + 5000
     for _ in range(5):
-        now = run(shed, 4.0, own=7, fleet=40, start=now, gone=1)
+        now = run(shed, 8.0, own=7, fleet=40, start=now, gone=1)
         widths.append(shed.band(MID)[1])
     assert widths == sorted(set(widths)) and widths[-1] < 1
     # The first steps stop at the orphans, then at the guests: what they carried leaves
@@ -114,7 +115,7 @@ def test_an_overloaded_host_passes_sessions_on_in_steps() -> None:
 
 def test_a_band_grows_by_a_share_of_what_it_keeps_and_never_passes_everything_on() -> None:
     # 20 in flight on 8 slots, the others at 0.42 a slot, held there for a minute: every
-    # step is as large as steps get, and each passes on at most 0.35 of the coins the
+    # step is as large as steps get, and each passes on at most 0.2 of the coins the
     # band left. Grown by 0.35 of the whole circle, it reached 1.00 in three steps, and a
     # host holding the busiest session passed on every session it had (docs/routing.md).
     shed = Shedding(0.15)
@@ -124,18 +125,21 @@ def test_a_band_grows_by_a_share_of_what_it_keeps_and_never_passes_everything_on
         widths.append(shed.band(MID)[1])
     steps = [(a, b) for a, b in itertools.pairwise(widths) if b > a]
     assert len(steps) >= 5
-    assert all(b - a <= 0.35 * (1 - a) + 1e-9 for a, b in steps), steps
+    assert all(b - a <= 0.2 * (1 - a) + 1e-9 for a, b in steps), steps
     assert widths[-1] < 1
 
 
-def test_a_host_at_twice_its_share_passes_half_its_sessions_on_within_8_s() -> None:
+def test_a_host_at_twice_its_share_passes_half_its_sessions_on_within_20_s() -> None:
     # From a cold start, 8 in flight on 8 slots where the others hold 0.44 a slot: 2.2
-    # times its share. Steps of at most 0.2 took 10 s to pass half on, and in the fleet
-    # bench the host holding the busiest session stayed at 1.6-2.2 times its share for
-    # the sessions run's first 15 s.
+    # times its share. A fifth goes at the second step (4 s), half by 15 s. Steps of up to
+    # 0.35, each spending half the evidence, passed half on in 6 s; in the fleet bench
+    # every host's band then climbed to 0.4-0.9 and stayed there, and 16-30% of the
+    # sessions' requests moved in any 16 s (docs/routing.md, the steps).
     shed = Shedding(0.15)
-    run(shed, 8.0, own=8, fleet=40, guests=False)
-    assert shed.band(MID)[1] >= 0.5
+    now = run(shed, 5.0, own=8, fleet=40, guests=False)
+    assert shed.band(MID)[1] == pytest.approx(0.2)
+    run(shed, 10.0, own=8, fleet=40, start=now, guests=False)
+    assert shed.band(MID)[1] >= 0.45
 
 
 def random_load(shed: Shedding, seconds: float, mean: float, seed: int) -> int:
