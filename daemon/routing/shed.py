@@ -67,8 +67,8 @@ one counted at this one's), the host's share is that level times its slots:
   small host held up to 2.2 times its share. With these steps, the bands held 0.21-0.30
   on average (0.32-0.53), 95-97% of a session's requests stayed on its host and 5-15%
   moved in 16 s (eight runs, docs/routing.md; the small host still held 2.0 times its
-  share on seed 7). It takes both: the gain alone (0.2,
-  steps still up to 0.35, half spent) kept 91-94%, the whole spend alone 87%.
+  share on seed 7). It takes both: the gain alone (0.2, steps still up to 0.35, half
+  spent) kept 91-94%, the whole spend alone 87%.
   A band that grows from 0 stops for a step at the end of each part that the host may
   hold sessions in (the orphans' where a peer is gone, the guests' where another passes
   sessions on): what they carried leaves before any of its own sessions do. Where it
