@@ -131,15 +131,15 @@ def test_a_band_grows_by_a_share_of_what_it_keeps_and_never_passes_everything_on
 
 def test_a_host_at_twice_its_share_passes_half_its_sessions_on_within_20_s() -> None:
     # From a cold start, 8 in flight on 8 slots where the others hold 0.44 a slot: 2.2
-    # times its share. A fifth goes at the second step (4 s), half by 15 s. Steps of up to
+    # times its share. A fifth goes at the second step (4 s), half by 18 s. Steps of up to
     # 0.35, each spending half the evidence, passed half on in 6 s; in the fleet bench
-    # every host's band then climbed to 0.4-0.9 and stayed there, and 16-30% of the
-    # sessions' requests moved in any 16 s (docs/routing.md, the steps).
+    # every host's band then climbed to 0.4-0.9 and stayed there, and 10-30% of the
+    # others' requests moved in 16 s with no host lost (docs/routing.md, the steps).
     shed = Shedding(0.15)
     now = run(shed, 5.0, own=8, fleet=40, guests=False)
     assert shed.band(MID)[1] == pytest.approx(0.2)
-    run(shed, 10.0, own=8, fleet=40, start=now, guests=False)
-    assert shed.band(MID)[1] >= 0.45
+    run(shed, 15.0, own=8, fleet=40, start=now, guests=False)
+    assert shed.band(MID)[1] >= 0.5
 
 
 def random_load(shed: Shedding, seconds: float, mean: float, seed: int) -> int:

@@ -60,7 +60,7 @@ one counted at this one's), the host's share is that level times its slots:
   only after the next has been taken overshoots, and every host then passes everything
   on. Small steps, each on fresh evidence: with steps of up to 0.35 of what the band
   keeps, each spending half the evidence (a host at twice its share passed half on in
-  6 s, against 15 s now), every band in the fleet bench climbed to 0.4-0.9 within the
+  6 s, against 18 s now), every band in the fleet bench climbed to 0.4-0.9 within the
   first 30 s and stayed there, the hosts passing each other's sessions round the ring:
   over four seeds 88-94% of a session's requests stayed on its host, 10-30% of them
   went elsewhere than their host of the 10 s before in 16 s with no host lost, and the
