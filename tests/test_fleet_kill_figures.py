@@ -3,20 +3,14 @@ moved after it, and, over an equal window before it, what the bands moved anyway
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from script_modules import script
 
 
 def bench_fleet() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_fleet", ROOT / "scripts" / "bench_fleet.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("bench_fleet")
 
 
 def row(t: float, session: str, host: str) -> dict[str, Any]:

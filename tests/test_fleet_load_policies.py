@@ -4,24 +4,18 @@ for good), both in proportion to each server's capacity."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from script_modules import script
 
 HOSTS = {"h1": 8 / 20, "h2": 8 / 20, "h4": 8 / 40, "h5": 4 / 20}  # slots over step_ms
 
 
 def fleet_load() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "scripts" / "fleet_load.py"
-    spec = importlib.util.spec_from_file_location("fleet_load", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("fleet_load")
 
 
 def policy(kind: str, seed: int = 1) -> Any:
