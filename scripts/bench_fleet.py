@@ -41,9 +41,11 @@ load, and the figures are of what follows (a fleet that has carried its sessions
 as one in service has, rather than one whose sessions all begin at once). Beside it, on
 the same arrivals up to the kill (--session-baselines, run first): `capacity`, each
 request to a host drawn in proportion to its capacity, what any load-blind split at best
-achieves, and `capacity_sessions`, each session on one host drawn so (an ideal static
-consistent hash): at 80% load a host's queue wanders by itself, and these say how much of
-a host's occupancy no assignment of sessions can remove. The
+achieves, `capacity_sessions`, each session on one host drawn so (an ideal static
+consistent hash), and `oracle`, each request to the shortest queue (sessions ignored): at
+80% load a host's queue wanders by itself, and these say how much of a host's occupancy
+no assignment of sessions can remove, and what sending each request by the queues does
+instead. The
 agents run the shipped defaults; --agent-toml appends TOML to each one's configuration, to
 measure a setting on the same fleet and arrivals (docs/routing.md: the snapshot tick).
 
@@ -325,9 +327,10 @@ def main() -> int:
     ap.add_argument("--session-warmup", type=float, default=0, metavar="S",
                     help="with --sessions, the same sessions' traffic for S seconds before the "
                          "measured run, in one load: the kill and the figures come after it")
-    ap.add_argument("--session-baselines", default="capacity,capacity_sessions", metavar="P,P",
-                    help="with --sessions, these policies first, on the same arrivals up to the "
-                         "kill (no kill): the occupancy a load-blind split gets")
+    ap.add_argument("--session-baselines", default="capacity,capacity_sessions,oracle",
+                    metavar="P,P", help="with --sessions, these policies first, on the same "
+                    "arrivals up to the kill (no kill): the occupancy a load-blind split gets, "
+                    "and the queues' oracle")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--agent-toml", default="", metavar="TOML",
                     help="appended to every agent's configuration, to try a setting against "

@@ -251,6 +251,23 @@ def test_a_host_passes_on_only_its_guests_while_its_peers_are_full() -> None:
     assert uneven.band(MID)[1] > 0
 
 
+def test_after_a_loss_a_full_fleet_moves_only_the_lost_hosts_sessions() -> None:
+    # A peer gone and the others full: only the orphans go on, the guests stay where they
+    # are, whatever this host holds.
+    shed = Shedding(0.15)
+    run(shed, 20, own=32, fleet=64, fleet_capacity=40, gone=1)
+    assert shed.band(MID) == (0.0, ORPHANS)
+    # A band grown before the loss keeps what it passed on, and grows no further.
+    before = Shedding(0.15)
+    now = run(before, 20, own=32, fleet=64, fleet_capacity=40)
+    run(before, 20, own=32, fleet=64, fleet_capacity=40, start=now, gone=1)
+    assert before.band(MID) == (0.0, GUESTS)
+    # With room on the others, the bound works as ever.
+    room = Shedding(0.15)
+    run(room, 20, own=16, fleet=32, fleet_capacity=40, gone=1)
+    assert room.band(MID)[1] > GUESTS
+
+
 def test_a_peers_long_queue_does_not_hide_this_hosts_overload() -> None:
     # 2 per slot here, two peers at 0.25 and one with 60 queued on 4 slots: by the
     # fleet's mean (2.9 per slot) this host would look idle.

@@ -84,7 +84,12 @@ one counted at this one's), the host's share is that level times its slots:
   the survivors' own, are the ones that move on. Free slots are counted per peer: by the
   sums, two queueing hosts would make three idle ones look full. (Growing above twice
   1 + epsilon instead, the hosts that took a lost host's sessions passed on 64-100% of
-  their own in the fleet bench, and half the survivors' sessions moved.)
+  their own in the fleet bench, and half the survivors' sessions moved.) Where a peer is
+  gone, no further than the orphans: the guests are other live hosts' sessions, and a
+  loss is to move the lost host's alone (stopped at the guests, on the fleet bench's
+  seed 7 every survivor's band grew past 0.6, and two thirds of the others' requests
+  that moved after the kill were sessions every survivor passed on, spilled by weights
+  that moved with each band; docs/routing.md).
 
 Against the fleet's mean load per slot:
 
@@ -275,7 +280,7 @@ class Shedding:
             z = (b.load - mark) / math.sqrt(b.share) - _SLACK
             b.evidence = min(_EVIDENCE, max(0.0, b.evidence + z))
         excess = (b.load - mark) / b.share if b.share > 0 else 0.0
-        most = 1.0 if b.free >= _ROOM else max(b.width, GUESTS)
+        most = 1.0 if b.free >= _ROOM else max(b.width, ORPHANS if gone > 0 else GUESTS)
         draining = own_load <= max(mark, _DRAINING * b.step_load)
         if b.evidence >= _EVIDENCE and excess > 0 and not draining and b.width < most:
             step = min(_MAX_STEP, max(_MIN_STEP, _GAIN * excess)) * (1.0 - b.width)
