@@ -91,6 +91,7 @@ def snapshot_json(snap: LoadSnapshot, devices: Sequence[GpuInfo],
             {
                 "model": _model_name(model_names, k.model_id),
                 "model_id": f"{k.model_id:016x}",
+                "routed_rps": k.routed_rps,
                 "sessions": [{"key": f"{key:08x}", "rps": rps} for key, rps in k.sessions],
             }
             for k in snap.sessions

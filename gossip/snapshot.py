@@ -25,6 +25,8 @@ The top level is a map with one-letter keys::
                    shed_width 1/10000], ...]
     "k": sessions, [[model_id u64, session key u32, rps 1/100**, ...], ...]; absent when
          empty (a node that routes no sessions, or an older writer)
+    "q": requests routed, [[model_id u64, rps 1/100**], ...]: of each model in "k", all its
+         requests routed at this node, with a session or not; absent when "k" is
 
 A figure marked * is held to DIGITS (3) significant decimal digits (** to 2) and sent as its log
 code (_log_code): the count of units itself below 1000, one code per mantissa above, so
@@ -434,6 +436,7 @@ class ModelLoad(_Record):
 _SESSION_MODEL = _Field("model_id", "int", hi=2**64 - 1)
 _SESSION_KEY = _Field("session", "int", hi=2**SESSION_KEY_BITS - 1)
 _SESSION_RPS = _Field("rps", "fixed", hi=MAX_RPS, scale=100, digits=2)
+_ROUTED_RPS = _Field("routed_rps", "fixed", hi=MAX_RPS, scale=100, digits=2)
 
 
 @dataclass(frozen=True)
@@ -445,14 +448,18 @@ class SessionRates:
     is heavy or not by a quarter of a host's share, so a figure moving by a few percent
     need not travel. 32-bit keys: among the few dozen sessions heavy at once, two that
     share one are a 2**-22 chance, and a client that chose its session names to collide
-    only sums its own sessions' figures."""
+    only sums its own sessions' figures. routed_rps: all the model's requests routed at
+    this node per second, counted as the sessions' are: every node sums them into the
+    whole that a session's share is of (0 from an older writer)."""
 
     model_id: int
     sessions: tuple[tuple[int, float], ...]
+    routed_rps: float = 0.0
 
     def __post_init__(self) -> None:
         where = "SessionRates"
         object.__setattr__(self, "model_id", _check(_SESSION_MODEL, self.model_id, where))
+        object.__setattr__(self, "routed_rps", _check(_ROUTED_RPS, self.routed_rps, where))
         if not isinstance(self.sessions, (list, tuple)):
             raise SnapshotError(f"{where}.sessions: expected a sequence, got {type(self.sessions).__name__}")
         pairs = []
@@ -480,7 +487,8 @@ class SessionRates:
         record.__dict__.update(
             model_id=_SESSION_MODEL.decoder(raw[0], where),
             sessions=_sessions_in_order([(key(raw[i], where), rps(raw[i + 1], where))
-                                         for i in range(1, len(raw), 2)]))
+                                         for i in range(1, len(raw), 2)]),
+            routed_rps=0.0)
         return record
 
 
@@ -576,6 +584,8 @@ def encode(snap: LoadSnapshot) -> bytes:
     }
     if snap.sessions:
         top["k"] = [k.to_wire() for k in snap.sessions]
+        if routed := [[k.model_id, _to_wire(_ROUTED_RPS, k.routed_rps)] for k in snap.sessions if k.routed_rps]:
+            top["q"] = routed
     data: bytes = msgpack.packb(top, use_bin_type=True)
     return data
 
@@ -624,5 +634,22 @@ def decode(data: bytes) -> LoadSnapshot:
         models=[ModelLoad.from_wire(m) for m in top["m"]],
         sessions=[SessionRates.from_wire(k) for k in sessions],
     )
+    _routed_from_wire(top.get("q", ()), snap.sessions)
     snap._settle()
     return snap
+
+
+def _routed_from_wire(raw: object, records: list[SessionRates]) -> None:
+    """Puts each model's routed rate ("q") in its record of "k"."""
+    if not isinstance(raw, (list, tuple)):
+        raise SnapshotError(f"'q': expected array, got {type(raw).__name__}")
+    by_model = {k.model_id: k for k in records}
+    seen = set()
+    for pair in raw:
+        if not isinstance(pair, list) or len(pair) < 2:
+            raise SnapshotError(f"'q': expected [model_id, rps] arrays, got {pair!r}")
+        model = _SESSION_MODEL.decoder(pair[0], "'q'")
+        if model not in by_model or model in seen:
+            raise SnapshotError(f"'q': model {model!r} is not in 'k' or is named twice")
+        seen.add(model)
+        by_model[model].__dict__["routed_rps"] = _ROUTED_RPS.decoder(pair[1], "'q'")

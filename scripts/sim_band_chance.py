@@ -63,7 +63,7 @@ def growths(seed: int, seconds: float, load: float, over: tuple[int, float] | No
         flight = [(len(h["ends"]) + len(h["queue"]), h["slots"]) for h in hosts]
         for i, h in enumerate(hosts):
             before = h["shed"].band(MODEL)[1]
-            h["shed"].saw_session(MODEL, 0, now_ms)
+            h["shed"].saw(MODEL, 0, now_ms)
             h["shed"].step(MODEL, flight[i][0], h["slots"], flight[:i] + flight[i + 1:], now_ms,
                            guests=False)
             if h["shed"].band(MODEL)[1] > before:

@@ -4,6 +4,7 @@ both (daemon/routing/session_counts.py, heavy.py)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from collections.abc import Iterable
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from loadmesh.daemon.routing import Decision, PeerInput, Router, RoutingConfig
 from loadmesh.daemon.routing.heavy import (ALONE, ENTER, LEAVE, MAX_HEAVY, MAX_WALK, MIDDLING, MIDDLING_LEAVE,
                                            ROOM, HeavySessions, quantized, quantized_from)
-from loadmesh.daemon.routing.ring import HashRing, hash64
+from loadmesh.daemon.routing.ring import HashRing, hash64, stepped
 from loadmesh.daemon.routing.shed import LAST
 from loadmesh.daemon.routing.session_counts import HALF_LIFE_MS, MAX_TRACKED, SessionCounts
 from loadmesh.gossip.snapshot import SessionRates
@@ -64,12 +65,38 @@ def test_only_the_models_with_the_most_session_requests_are_published() -> None:
     assert set(counts.busiest(1, 2, 1000)) == {2, 3}
 
 
+def test_the_model_counts_every_request_routed_with_a_session_or_not() -> None:
+    counts = SessionCounts(max_models=4)
+    rng = random.Random(2)
+    t = 0.0
+    while t < 5 * HALF_LIFE_MS:
+        t += rng.expovariate(4.0 / 1000)  # 4 requests a second, one in four of session 7
+        counts.saw(MID, 7 if rng.random() < 0.25 else None, round(t))
+    (key, rate), = counts.busiest(8, 8, round(t))[MID]
+    assert key == 7 and rate == pytest.approx(1.0, rel=0.3)
+    assert counts.routed_rps(MID, round(t)) == pytest.approx(4.0, rel=0.15)
+    assert counts.routed_rps(MID + 1, round(t)) == 0.0
+
+
+def test_a_young_sessions_share_of_the_routed_requests_is_low() -> None:
+    # 5 of the first 10 requests, in 2 s: not yet taken for half the model's.
+    counts = SessionCounts(max_models=1)
+    for i in range(10):
+        counts.saw(MID, 3 if i % 2 else None, 200 * i)
+    share = counts.busiest(1, 1, 2_000)[MID][0][1] / counts.routed_rps(MID, 2_000)
+    assert share < 0.1
+    for i in range(10, 200):  # 40 s on: the share is the session's half
+        counts.saw(MID, 3 if i % 2 else None, 200 * i)
+    assert counts.busiest(1, 1, 40_000)[MID][0][1] / counts.routed_rps(MID, 40_000) == pytest.approx(0.5, rel=0.02)
+
+
 def test_counts_outlive_the_rebase_of_their_scale() -> None:
     counts = SessionCounts(max_models=1)
     hours = 3 * 3_600_000
     for ms in range(0, hours, 500):
         counts.saw(MID, 5, ms)
     assert counts.busiest(1, 8, hours)[MID][0][1] == pytest.approx(2.0, rel=0.05)
+    assert counts.routed_rps(MID, hours) == pytest.approx(2.0, rel=0.05)
 
 
 # --- placement ---------------------------------------------------------------------------
@@ -262,16 +289,86 @@ def test_a_lost_peers_figures_hold_the_placement_through_its_loss() -> None:
     assert dict(r.heavy.placed(MID)) == placed
 
 
+def test_the_light_sessions_spread_by_what_the_heavy_ones_leave_of_each_share() -> None:
+    # The busiest session, 16 of the model's 100 requests a second, on a large host (its
+    # share 25): of the light sessions it keeps the points of what is left of its share,
+    # and only its light sessions move, each to the next peer on its ring.
+    busy = hash64("busy") >> 32
+    rates = {"big1": [(busy, 16.0)]}
+    sessions = [f"light-{i}" for i in range(3000)]
+
+    def spread(rows: list[PeerInput], now: int) -> tuple[Router, dict[str, str]]:
+        router = Router(RoutingConfig(seed=1))
+        router.update(rows, now)
+        out = {}
+        for s in sessions:
+            d = router.best(MODEL, s, (), now)
+            assert isinstance(d, Decision)
+            out[s] = d.node_id
+        return router, out
+
+    _, plain = spread(rows_with({}), NOW)
+    r, light = spread(rows_with(rates), NOW)
+    host = r.heavy.host(MID, busy)
+    assert host in ("big1", "big2", "big3")
+    moved = [s for s in sessions if light[s] != plain[s]]
+    assert moved and all(plain[s] == host for s in moved)
+    # Its points: 160 for its share, of which the heavy session takes 0.149 of 0.25, in
+    # steps of sqrt(2): 57. Its sessions are those of the points it kept.
+    assert r.light_points(MID)[host] == round(160 * stepped(1 - quantized(0.16) / 0.25, 2)) == 57
+    kept = sum(1 for h in light.values() if h == host) / sum(1 for h in plain.values() if h == host)
+    assert 0.25 < kept < 0.6
+    # A peer lost moves its own light sessions only: the placement that makes the ring
+    # counts the lost peer's heavy sessions where they were.
+    lost = [row if row.node_id != "slow" else PeerInput("slow", row.snapshot, False, 500, None)
+            for row in rows_with(rates)]
+    r.update(lost, NOW + 2000)
+    for s, h in light.items():
+        d = r.best(MODEL, s, (), NOW + 2000)
+        assert isinstance(d, Decision)
+        assert d.node_id == h or h == "slow"
+
+
+def test_a_sessions_share_is_of_the_requests_routed_whatever_the_servers_measure() -> None:
+    # Through a loss the servers' rates swing: the lost host's last figure stays while the
+    # survivors serve its sessions, then its clients' requests leave their windows (in the
+    # fleet bench, 20.6, 22.2 and 18.2 requests a second over 20 s). A session's share is
+    # of the requests the entries routed, counted as its own are: it does not swing.
+    keys = [hash64(f"s{i}") >> 32 for i in range(20)]
+    rates = {node: [(key, 0.5 + 0.3 * i) for i, key in enumerate(keys) if i % 5 == n]
+             for n, node in enumerate(("big1", "big2", "big3", "small", "slow"))}
+
+    def placed(served: float, routed: float) -> dict[int, str]:
+        rows = []
+        for row in rows_with({}):
+            snap = replace(row.snapshot, models=[replace(m, rps=served) for m in row.snapshot.models],
+                           sessions=[SessionRates(MID, rates[row.node_id], routed)])
+            rows.append(replace(row, snapshot=snap))
+        r = Router(RoutingConfig(seed=1))
+        r.update(rows, NOW)
+        return dict(r.heavy.placed(MID))
+
+    swings = [placed(served, 20.0) for served in (20.0, 25.0, 16.0)]
+    assert swings[0] and swings[0] == swings[1] == swings[2]
+    # Taken of the servers' rates (an older writer publishes no routed rate), they move.
+    older = [placed(served, 0.0) for served in (20.0, 25.0, 16.0)]
+    assert older[0] == swings[0] and older[1] != older[0] != older[2]
+
+
 def test_the_router_publishes_the_sessions_it_routed() -> None:
     r = Router(RoutingConfig(seed=1))
     r.update(rows_with({}), NOW)
     for i in range(40):
         r.best(MODEL, "chatty", (), NOW + 100 * i)
     r.best(MODEL, "quiet", (), NOW + 4000)
+    for i in range(10):
+        r.best(MODEL, None, (), NOW + 4000)
     (published,) = r.busiest(NOW + 4000)
     assert published.model_id == MID
     keys = dict(published.sessions)
     assert keys[hash64("chatty") >> 32] > keys[hash64("quiet") >> 32] > 0
+    # 51 requests in 4 s, 10 of them without a session.
+    assert published.routed_rps == pytest.approx(51 / 4, rel=0.1)
 
 
 def test_a_new_session_counts_at_its_rate_before_a_half_life_and_low_before_that() -> None:

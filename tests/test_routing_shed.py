@@ -79,7 +79,7 @@ def run(shed: Shedding, seconds: float, own: float, capacity: float = 8.0, fleet
     now = start
     for _ in range(round(seconds * 10)):
         now += 100
-        shed.saw_session(MID, 0, now)
+        shed.saw(MID, 0, now)
         shed.step(MID, own, capacity, others, now, gone, guests)
     return now
 
@@ -161,7 +161,7 @@ def random_load(shed: Shedding, seconds: float, mean: float, seed: int) -> int:
             heapq.heappop(ends)
         now_ms += 100
         width = shed.band(MID)[1]
-        shed.saw_session(MID, 0, now_ms)
+        shed.saw(MID, 0, now_ms)
         shed.step(MID, len(ends), 8, even(0.6 * 32, 32), now_ms)
         grown += shed.band(MID)[1] > width
     return grown
@@ -185,7 +185,7 @@ def test_a_draining_host_stops_growing_its_band() -> None:
     now, own = T0, 40.0
     for _ in range(100):
         now += 100
-        shed.saw_session(MID, 0, now)
+        shed.saw(MID, 0, now)
         shed.step(MID, own, 8, even(32, 72), now)
         own *= 0.985
     assert shed.band(MID)[1] <= 0.1
@@ -334,7 +334,7 @@ def test_band_stays_on_the_circle(
     for own, capacity, others, dt, sessions in steps:
         now += dt
         if sessions:
-            shed.saw_session(MID, 0, now)
+            shed.saw(MID, 0, now)
         shed.step(MID, own, capacity, others, now)
         start, width = shed.band(MID)
         assert 0 <= start < 1 and 0 <= width <= 1

@@ -81,6 +81,7 @@ session_rates = st.builds(
     model_id=st.integers(0, 2**64 - 1),
     sessions=st.lists(st.tuples(st.integers(0, 2**32 - 1), _num(1e7)), max_size=MAX_SESSIONS,
                       unique_by=lambda pair: pair[0]),
+    routed_rps=_num(1e7),
 )
 snapshots = st.builds(
     LoadSnapshot,
@@ -118,7 +119,8 @@ def typical(n_gpus: int = 8, n_models: int = 4, n_sessions: int = 0) -> LoadSnap
             for i in range(n_models)
         ],
         sessions=[SessionRates(0xCBF29CE484222325 ^ (i * 0x100000001B3),
-                               [(0x9E3779B9 * (j + 1) % 2**32, 12.3 / (j + 1)) for j in range(n_sessions)])
+                               [(0x9E3779B9 * (j + 1) % 2**32, 12.3 / (j + 1)) for j in range(n_sessions)],
+                               routed_rps=1234.56)
                   for i in range(n_models if n_sessions else 0)],
     )
 
@@ -166,7 +168,7 @@ def test_largest_possible_snapshot_fits_decoder_limit() -> None:
         ],
         models=[ModelLoad(2**64 - 1 - i, 65535, 1e7, 1.0, 3.6e6, 3.6e6, 2**32 - 1, 2**32 - 1,
                           2**32 - 1, 3.6e6, 3.6e6, 1e8) for i in range(64)],
-        sessions=[SessionRates(2**64 - 1 - i, [(2**32 - 1 - j, 1e7) for j in range(MAX_SESSIONS)])
+        sessions=[SessionRates(2**64 - 1 - i, [(2**32 - 1 - j, 1e7) for j in range(MAX_SESSIONS)], 1e7)
                   for i in range(MAX_SESSION_MODELS)],
     )
     data = encode(biggest)
@@ -329,6 +331,11 @@ BAD = {
     "session key past 32 bits": lambda w: w.update(k=[[1, 2**32, 1]]),
     "session without its rate": lambda w: w.update(k=[[1, 5]]),
     "session rate as a float": lambda w: w.update(k=[[1, 5, 1.5]]),
+    "routed rate of a model without sessions": lambda w: w.update(k=[[1, 5, 1]], q=[[2, 10]]),
+    "routed rate named twice": lambda w: w.update(k=[[1, 5, 1]], q=[[1, 10], [1, 11]]),
+    "routed rate without its figure": lambda w: w.update(k=[[1, 5, 1]], q=[[1]]),
+    "routed rates as a map": lambda w: w.update(k=[[1, 5, 1]], q={1: 10}),
+    "routed rate past its bound": lambda w: w.update(k=[[1, 5, 1]], q=[[1, 2**64 - 1]]),
 }
 
 
@@ -336,6 +343,20 @@ BAD = {
 def test_rejects_invalid_content(mutate) -> None:
     with pytest.raises(SnapshotError):
         decode(_mutated(mutate))
+
+
+def test_the_routed_rates_travel_beside_the_sessions_and_an_older_writer_has_none() -> None:
+    snap = typical(n_models=2, n_sessions=3)
+    top = wire(snap)
+    assert [pair[0] for pair in top["q"]] == [k.model_id for k in snap.sessions]
+    assert [k.routed_rps for k in decode(encode(snap)).sessions] == [1200.0, 1200.0]  # two digits
+    # Future fields past the two of a pair are skipped, as in any record.
+    top["q"] = [[*pair, 7] for pair in top["q"]]
+    assert decode(pack(top)) == snap
+    del top["q"]
+    assert [k.routed_rps for k in decode(pack(top)).sessions] == [0.0, 0.0]
+    # None routed (all 0): the key is left out.
+    assert "q" not in wire(replace(snap, sessions=[replace(k, routed_rps=0.0) for k in snap.sessions]))
 
 
 def test_a_duplicate_names_the_field_it_is_in() -> None:

@@ -14,7 +14,8 @@ figures: each node publishes the request rates of the busiest sessions it routed
 (gossip/snapshot.SessionRates), and every node sums them.
 
 A session is heavy once its rate is ENTER of the smallest candidate's share of the model's
-requests (the candidates' rps, in their snapshots), and stays heavy down to LEAVE. Shares
+requests (the requests its peers say they routed, counted as the sessions' are:
+session_counts.py), and stays heavy down to LEAVE. Shares
 are the ring's weights (candidates.ring_points), which every node computes alike. The
 heavy sessions are placed busiest first, each on the first candidate along its ring whose
 heavy sessions, with it, stay within ROOM of its share and which it alone would not fill
@@ -22,7 +23,10 @@ past ALONE of its share; where none fits, on the one with the most room left (th
 such along its ring). So a heavy session stays with its ring owner while that has room,
 and the busiest goes to a large host: on a host of half the share it would be most of its
 load alone. The rest of the host's share is for the light sessions, which its band bounds
-as before; it counts the heavy ones' load like any. One session is one stream of bursts,
+as before; it counts the heavy ones' load like any. The light sessions walk a ring of their
+own (router._place_light), each peer's points cut by the part of its share its heavy
+sessions take (held: placed as if every known peer were a candidate, so that a loss changes
+neither the placement of the survivors' sessions nor that ring). One session is one stream of bursts,
 and a host's queue grows with the bursts against its batch: in tests/test_fleet_sessions.py
 the small host (4 slots of 20) held the second busiest session, half its share, within
 ROOM, and held 1.35-1.40 times its share of the requests in flight over four runs (the
@@ -96,6 +100,9 @@ class HeavySessions:
         self._middling: dict[int, set[int]] = {}
         # Per model, each heavy session's step (quantized_from): its keys are the heavy ones.
         self._steps: dict[int, dict[int, float]] = {}
+        # Per model, the share of the model's requests each peer holds in heavy sessions,
+        # placed as if every known peer were a candidate: what a loss does not change.
+        self._held: dict[int, dict[str, float]] = {}
 
     def weighs(self, model_id: int, session: int) -> bool:
         """Whether the session is heavy or middling: passed on last by its owner's band."""
@@ -108,6 +115,11 @@ class HeavySessions:
     def placed(self, model_id: int) -> Mapping[int, str]:
         return self._hosts.get(model_id, {})
 
+    def held(self, model_id: int) -> Mapping[str, float]:
+        """Each peer's share of the model's requests in the heavy sessions placed on it,
+        every known peer counted a candidate (the placement a loss does not move)."""
+        return self._held.get(model_id, {})
+
     def models(self) -> Mapping[int, Mapping[int, str]]:
         """model_id -> session key -> its host."""
         return self._hosts
@@ -119,12 +131,14 @@ class HeavySessions:
             del self._middling[gone]
         for gone in self._steps.keys() - model_ids:
             del self._steps[gone]
+        for gone in self._held.keys() - model_ids:
+            del self._held[gone]
 
     def place(self, model_id: int, rates: Mapping[int, float], rps: float,
               shares: Mapping[str, float], usable: Collection[str],
               walk: Callable[[int], Iterable[str]]) -> None:
         """rates: session key -> the fleet's requests per second of it; rps: the model's
-        requests per second at its candidates; shares: each peer's share of the ring's
+        requests per second, the whole the rates are shares of; shares: each peer's share of the ring's
         weight, every peer known to serve the model (summing to 1); usable: the
         candidates among them; walk(key): the ring's peers from the key's point.
 
@@ -138,6 +152,7 @@ class HeavySessions:
             self._hosts.pop(model_id, None)
             self._middling.pop(model_id, None)
             self._steps.pop(model_id, None)
+            self._held.pop(model_id, None)
             return
         smallest = min(shares.values())
         steps = self._steps.get(model_id, {})
@@ -152,6 +167,7 @@ class HeavySessions:
         self._middling[model_id] = set(_busiest(middling))
         held = dict.fromkeys(shares, 0.0)
         hosts = {key: node for key in order if (node := _fit(key, heavy[key], shares, held, walk)) is not None}
+        self._held[model_id] = {node: share for node, share in held.items() if share > 0}
         for key in order:
             if key in hosts and hosts[key] not in usable:
                 held[hosts.pop(key)] -= heavy[key]

@@ -14,8 +14,9 @@ The choice (docs/routing.md has the reasoning and the measurements):
    per request, not excluded and circuit not open.
 2. Peers with a fresh snapshot; failing those, peers with a stale one. Overload is no
    filter: a filter that leaves one peer takes everything from every host at once.
-3. With a session: the session's peer on the consistent-hash ring, weighted by what each
-   peer serves (candidates.ring_points), walking clockwise past peers that are unusable
+3. With a session: a heavy session's placed peer (heavy.py); any other, its peer on the
+   consistent-hash ring, weighted by what each peer serves (candidates.ring_points) less
+   what its heavy sessions take of it (_place_light), walking clockwise past peers that are unusable
    or that pass the session on: each host publishes which of its sessions it passes on
    while it carries more than its share (shed.py), so that every host makes the same
    walk; where every usable peer passes it on, spill().
@@ -60,7 +61,7 @@ from loadmesh.daemon.routing.candidates import (
 from loadmesh.daemon.routing.heavy import HeavySessions
 from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
 from loadmesh.daemon.routing.reasons import Reason
-from loadmesh.daemon.routing.ring import HashRing, hash64
+from loadmesh.daemon.routing.ring import HashRing, hash64, stepped
 from loadmesh.daemon.routing.shed import Seat, Shedding, passes_on
 from loadmesh.gossip.snapshot import MAX_SESSION_MODELS, MAX_SESSIONS, SESSION_KEY_BITS, NodeState, SessionRates
 from loadmesh.model_id import model_id
@@ -100,6 +101,10 @@ _SHED_EVERY_MS = 250
 # seconds, and a placed host that stops being usable is skipped at once, per request. At
 # 1000 peers each publishing 8 sessions, summing their rates takes milliseconds.
 _PLACE_EVERY_MS = 1000
+# A peer's light sessions' ring keeps at least this part of its points, whatever heavy
+# sessions it holds (heavy.ROOM keeps them to half its share; only a placement on the
+# roomiest peer, where none fits, goes beyond).
+_LIGHT_FLOOR = 0.25
 # A session's key on the wire: the high bits of its point on the ring.
 _KEY_SHIFT = 64 - SESSION_KEY_BITS
 
@@ -142,13 +147,27 @@ class NoCandidate:
     counts: Mapping[str, int]  # peers serving the model, by why each is unusable
 
 
-def _log_ring_change(mid: int, old: Mapping[str, int], new: Mapping[str, int]) -> None:
+def _log_ring_change(mid: int, old: Mapping[str, int], new: Mapping[str, int],
+                     which: str = "sessions'") -> None:
     """A change of the sessions' ring moves the sessions of the points that moved, each a
     prefill of its whole context on its new host: worth a line, with what changed."""
     moved = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
-    log.info("sessions' ring of model %016x changed: %s", mid,
+    log.info("%s ring of model %016x changed: %s", which, mid,
              ", ".join(f"{n!r} {old.get(n, 0)} -> {new.get(n, 0)} points" for n in moved[:8])
              + (f" and {len(moved) - 8} more" if len(moved) > 8 else ""))
+
+
+def _light_points(ring: Mapping[str, int], held: Mapping[str, float]) -> dict[str, int]:
+    """Each peer's points for the light sessions: its points for its share less the part of
+    it that its heavy sessions take, in steps of sqrt(2) as the ring's weights are. The
+    light sessions spread by these points, and each host's light share and heavy sessions
+    together come to about its share. In steps: the heavy sessions' shares climb for a
+    minute as their counts fill, and taken as they were, each agent changed the light
+    ring 12-16 times in the fleet bench's 90 s, each change a move of some sessions; a
+    heavy session of a few percent of a large host's share now changes nothing."""
+    total = sum(ring.values())
+    return {n: max(1, round(k * stepped(max(_LIGHT_FLOOR, 1 - held.get(n, 0.0) * total / k), 2)))
+            for n, k in ring.items()}
 
 
 def _log_placements(mid: int, old: Mapping[int, str], new: Mapping[int, str]) -> None:
@@ -209,6 +228,9 @@ class Router:
         self._next_figures = 0
         self._self_id: str | None = None
         self._rings: dict[int, HashRing] = {}
+        # Per model, the ring of its light sessions (_light_points) and the ring's points
+        # it was made from; absent where no peer holds a heavy session.
+        self._light: dict[int, tuple[Mapping[str, int], HashRing]] = {}
         self._ids: dict[str, int] = {}
         self._share = OwnShare(round(c.own_share_half_life_s * 1000), c.own_share_cap)
         self._fleet_rps = 0.0
@@ -295,6 +317,8 @@ class Router:
         # the peers that are not candidates, or not usable for one request, are skipped.
         self._rings = {mid: ring for mid, ring in self._rings.items()
                        if mid in self._models and ring.vnodes == self._models[mid].ring}
+        self._light = {mid: light for mid, light in self._light.items()
+                       if mid in self._models and light[0] == self._models[mid].ring}
         self._gained = self._stale = False
         cost_ms = _BUILD_MS_PER_PEER * sum(len(entry.known) for entry in self._models.values())
         charged = cost_ms > _BUILD_FREE_MS
@@ -318,9 +342,11 @@ class Router:
             return (p.node_id not in excluded and p.fresh(now_ms, self._freshness_ms)
                     and p.breaker.allows(now_ms))
 
-        if session is not None:
+        if session is None:
+            self.shedding.saw(entry.model_id, None, now_ms)
+        else:
             point = hash64(session)
-            self.shedding.saw_session(entry.model_id, point >> _KEY_SHIFT, now_ms)
+            self.shedding.saw(entry.model_id, point >> _KEY_SHIFT, now_ms)
             by_ring = self._by_session(entry, session, point, usable) if entry.candidates else None
             if by_ring is not None:
                 return self._decide(*by_ring, now_ms)
@@ -406,37 +432,76 @@ class Router:
             self._place_heavy()
 
     def _place_heavy(self) -> None:
-        """Places each model's heavy sessions (heavy.py) from the rates its peers publish.
-        A peer's last figures count until it is forgotten, dead or alive, as its points
-        on the ring do: the shares then hold through its loss, which moves its own
-        sessions and no other's. Counted among the live only, the model's requests fell
-        by the lost host's at once while the sessions' counts decay over a minute: shares
-        rose, sessions became heavy, and each agent of the fleet bench moved heavy
-        sessions 22-29 times in the 30 s after the kill (8-9 with the figures kept)."""
+        """Places each model's heavy sessions (heavy.py) from the rates its peers publish,
+        a session's share of the model taken of the requests they say they routed
+        (session_counts.py). A peer's last figures count until it is forgotten, dead or
+        alive, as its points on the ring do: the shares then hold through its loss, which
+        moves its own sessions and no other's. Counted among the live only, the model's
+        requests fell by the lost host's at once while the sessions' counts decay over a
+        minute: shares rose, sessions became heavy, and each agent of the fleet bench
+        moved heavy sessions 22-29 times in the 30 s after the kill (8-9 with the figures
+        kept). Where a peer publishes no routed rate (an older writer), the servers' rates
+        stand for the whole."""
         rates: dict[int, dict[int, float]] = {}
+        routed: dict[int, float] = {}
+        older: set[int] = set()
         for peer in self._peers.values():
             for model in peer.snapshot.sessions:
                 summed = rates.setdefault(model.model_id, {})
                 for key, rps in model.sessions:
                     summed[key] = summed.get(key, 0.0) + rps
+                routed[model.model_id] = routed.get(model.model_id, 0.0) + model.routed_rps
+                if not model.routed_rps:
+                    older.add(model.model_id)
         self.heavy.forget_except(set(rates))
+        self._light = {mid: light for mid, light in self._light.items() if mid in rates}
         self.shedding.counts.forget_except(set(self._models))
         for mid, summed in rates.items():
             entry = self._models.get(mid)
             if entry is None:
                 continue
             total = sum(entry.ring.values())
-            rps = sum(m.rps for p in entry.known for m in p.snapshot.models if m.model_id == mid)
+            rps = (routed[mid] if mid not in older else
+                   sum(m.rps for p in entry.known for m in p.snapshot.models if m.model_id == mid))
             ring = self._ring(entry)
             before = dict(self.heavy.placed(mid))
             self.heavy.place(mid, summed, rps, {n: k / total for n, k in entry.ring.items()},
                              entry.by_node.keys(), lambda key: ring.walk_from(key << _KEY_SHIFT))
             _log_placements(mid, before, self.heavy.placed(mid))
+            self._place_light(entry)
+
+    def light_points(self, model_id: int) -> Mapping[str, int]:
+        """Each peer's points on the model's light sessions' ring (_place_light)."""
+        light = self._light.get(model_id)
+        if light is not None:
+            return light[1].vnodes
+        entry = self._models.get(model_id)
+        return entry.ring if entry is not None else {}
+
+    def _place_light(self, entry: ModelCandidates) -> None:
+        """The light sessions' ring of the model, from the heavy sessions' placement as if
+        every known peer were a candidate (heavy.held): a loss changes neither, and moves
+        only the lost host's sessions. Placed on the ring's points, the host of the busiest
+        session (16% of the requests in the fleet bench, where its share is 25%) also held
+        its share of the light ones, carried 1.3 times its share, and its band passed a
+        third of its sessions on to the next hosts, whose bands grew in turn."""
+        mid = entry.model_id
+        held = self.heavy.held(mid)
+        old = self._light.get(mid)
+        points = _light_points(entry.ring, held) if held else entry.ring
+        if points == (old[1].vnodes if old else entry.ring):
+            return
+        _log_ring_change(mid, old[1].vnodes if old else entry.ring, points, "light sessions'")
+        if points == entry.ring:
+            self._light.pop(mid, None)
+        else:
+            self._light[mid] = (dict(entry.ring), HashRing(points))
 
     def busiest(self, now_ms: int) -> tuple[SessionRates, ...]:
         """The busiest sessions routed here, per model, for this node's snapshot."""
-        return tuple(SessionRates(mid, top) for mid, top in
-                     self.shedding.counts.busiest(MAX_SESSIONS, MAX_SESSION_MODELS, now_ms).items())
+        counts = self.shedding.counts
+        return tuple(SessionRates(mid, top, counts.routed_rps(mid, now_ms)) for mid, top in
+                     counts.busiest(MAX_SESSIONS, MAX_SESSION_MODELS, now_ms).items())
 
     def _ring(self, entry: ModelCandidates) -> HashRing:
         ring = self._rings.get(entry.model_id)
@@ -450,8 +515,11 @@ class Router:
         peer along the ring that keeps the session, with the next usable ones as
         alternatives; when every one passes it on, spill()'s; None when none is usable.
         Only what the snapshots publish decides (the peers, their bands and loads, the
-        sessions' rates), so every host holding the same snapshots makes the same choice."""
-        ring = self._ring(entry)
+        sessions' rates), so every host holding the same snapshots makes the same choice.
+        The light sessions walk their own ring (_place_light), the heavy ones' alternatives
+        too."""
+        light = self._light.get(entry.model_id)
+        ring = light[1] if light is not None else self._ring(entry)
         want = self.config.alternatives
         key = point >> _KEY_SHIFT
         placed = self.heavy.host(entry.model_id, key)

@@ -215,9 +215,10 @@ class Shedding:
         self._sessions_ms: dict[int, int] = {}
         self.counts = SessionCounts(MAX_MODELS)
 
-    def saw_session(self, model_id: int, session: int, now_ms: int) -> None:
-        """This host answered a request of a session (its key) for the model."""
-        self._sessions_ms[model_id] = now_ms
+    def saw(self, model_id: int, session: int | None, now_ms: int) -> None:
+        """This host answered a request for the model: of a session (its key), or of none."""
+        if session is not None:
+            self._sessions_ms[model_id] = now_ms
         self.counts.saw(model_id, session, now_ms)
 
     def watching(self, model_id: int, now_ms: int) -> bool:
