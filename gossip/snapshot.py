@@ -26,7 +26,8 @@ The top level is a map with one-letter keys::
     "k": sessions, [[model_id u64, session key u32, rps 1/100**, ...], ...]; absent when
          empty (a node that routes no sessions, or an older writer)
     "q": requests routed, [[model_id u64, rps 1/100**], ...]: of each model in "k", all its
-         requests routed at this node, with a session or not; absent when "k" is
+         requests routed at this node, with a session or not; absent when "k" is, or no
+         model of it has a rate (an older writer)
 
 A figure marked * is held to DIGITS (3) significant decimal digits (** to 2) and sent as its log
 code (_log_code): the count of units itself below 1000, one code per mantissa above, so

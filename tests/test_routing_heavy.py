@@ -329,6 +329,22 @@ def test_the_light_sessions_spread_by_what_the_heavy_ones_leave_of_each_share() 
         assert d.node_id == h or h == "slow"
 
 
+def test_the_light_ring_follows_a_change_of_the_ring_at_once() -> None:
+    # A peer joins between two placements: the ring's points change at the build, and the
+    # light ring with them, not a placement later (the light sessions of the heavy
+    # session's host would walk the ring's points meanwhile, and move twice).
+    busy = hash64("busy") >> 32
+    rates = {"big1": [(busy, 16.0)]}
+    r = Router(RoutingConfig(seed=1))
+    r.update(rows_with(rates), NOW)
+    host = r.heavy.host(MID, busy)
+    assert host is not None and r.light_points(MID)[host] == 57
+    joined = [*rows_with(rates), PeerInput("big4", snapshot("big4", gpus=4, rps=20.0), True, 500, None)]
+    r.update(joined, NOW + 200)
+    points = r.light_points(MID)
+    assert points["big4"] == 160 and points[host] < 57
+
+
 def test_a_sessions_share_is_of_the_requests_routed_whatever_the_servers_measure() -> None:
     # Through a loss the servers' rates swing: the lost host's last figure stays while the
     # survivors serve its sessions, then its clients' requests leave their windows (in the

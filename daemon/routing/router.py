@@ -317,8 +317,12 @@ class Router:
         # the peers that are not candidates, or not usable for one request, are skipped.
         self._rings = {mid: ring for mid, ring in self._rings.items()
                        if mid in self._models and ring.vnodes == self._models[mid].ring}
-        self._light = {mid: light for mid, light in self._light.items()
-                       if mid in self._models and light[0] == self._models[mid].ring}
+        # A light ring follows its model's ring at once: dropped until the next placement,
+        # its light sessions would walk the ring's points for that while, and move twice.
+        self._light = {mid: light for mid, light in self._light.items() if mid in self._models}
+        for mid, (base, _) in list(self._light.items()):
+            if base != self._models[mid].ring:
+                self._place_light(self._models[mid])
         self._gained = self._stale = False
         cost_ms = _BUILD_MS_PER_PEER * sum(len(entry.known) for entry in self._models.values())
         charged = cost_ms > _BUILD_FREE_MS
@@ -472,11 +476,14 @@ class Router:
 
     def light_points(self, model_id: int) -> Mapping[str, int]:
         """Each peer's points on the model's light sessions' ring (_place_light)."""
-        light = self._light.get(model_id)
-        if light is not None:
-            return light[1].vnodes
         entry = self._models.get(model_id)
-        return entry.ring if entry is not None else {}
+        return self._light_ring(entry).vnodes if entry is not None else {}
+
+    def _light_ring(self, entry: ModelCandidates) -> HashRing:
+        """The ring the model's light sessions walk: its own where a peer holds heavy
+        sessions, else the ring's."""
+        light = self._light.get(entry.model_id)
+        return light[1] if light is not None else self._ring(entry)
 
     def _place_light(self, entry: ModelCandidates) -> None:
         """The light sessions' ring of the model, from the heavy sessions' placement as if
@@ -487,15 +494,16 @@ class Router:
         third of its sessions on to the next hosts, whose bands grew in turn."""
         mid = entry.model_id
         held = self.heavy.held(mid)
-        old = self._light.get(mid)
         points = _light_points(entry.ring, held) if held else entry.ring
-        if points == (old[1].vnodes if old else entry.ring):
-            return
-        _log_ring_change(mid, old[1].vnodes if old else entry.ring, points, "light sessions'")
+        old = self._light.get(mid)
+        before = old[1].vnodes if old is not None else entry.ring
+        if points != before:
+            _log_ring_change(mid, before, points, "light sessions'")
         if points == entry.ring:
             self._light.pop(mid, None)
         else:
-            self._light[mid] = (dict(entry.ring), HashRing(points))
+            ring = old[1] if old is not None and points == before else HashRing(points)
+            self._light[mid] = (dict(entry.ring), ring)
 
     def busiest(self, now_ms: int) -> tuple[SessionRates, ...]:
         """The busiest sessions routed here, per model, for this node's snapshot."""
@@ -518,8 +526,7 @@ class Router:
         sessions' rates), so every host holding the same snapshots makes the same choice.
         The light sessions walk their own ring (_place_light), the heavy ones' alternatives
         too."""
-        light = self._light.get(entry.model_id)
-        ring = light[1] if light is not None else self._ring(entry)
+        ring = self._light_ring(entry)
         want = self.config.alternatives
         key = point >> _KEY_SHIFT
         placed = self.heavy.host(entry.model_id, key)
