@@ -90,6 +90,26 @@ def test_a_young_sessions_share_of_the_routed_requests_is_low() -> None:
     assert counts.busiest(1, 1, 40_000)[MID][0][1] / counts.routed_rps(MID, 40_000) == pytest.approx(0.5, rel=0.02)
 
 
+def test_a_session_begun_late_counts_at_its_rate_once_past_the_floor() -> None:
+    # The node has counted the model's requests for five minutes; the session begins then.
+    counts = SessionCounts(max_models=1)
+    for ms in range(0, 300_000, 250):
+        counts.saw(MID, None, ms)
+    for ms in range(300_000, 330_000, 500):  # 30 s at 2 a second
+        counts.saw(MID, 9, ms)
+    assert counts.busiest(1, 1, 330_000)[MID][0][1] == pytest.approx(2.0, rel=0.05)
+
+
+def test_the_busiest_are_ranked_by_rate_not_by_count() -> None:
+    counts = SessionCounts(max_models=1)
+    for ms in range(0, 200_000, 1000):  # a session of 1 a second for 200 s
+        counts.saw(MID, 1, ms)
+    for ms in range(170_000, 200_000, 500):  # one of 2 a second begun 30 s ago: fewer counted
+        counts.saw(MID, 2, ms)
+    assert counts._counts[MID][2] < counts._counts[MID][1]
+    assert [key for key, _ in counts.busiest(2, 1, 200_000)[MID]] == [2, 1]
+
+
 def test_counts_outlive_the_rebase_of_their_scale() -> None:
     counts = SessionCounts(max_models=1)
     hours = 3 * 3_600_000
@@ -153,10 +173,17 @@ def test_the_busiest_session_goes_to_a_large_host_whoever_owns_it() -> None:
 
 
 def test_a_heavy_session_that_fits_stays_with_its_ring_owner() -> None:
+    # A small host's share is too small for a session to enter heavy and fit it at once
+    # (ENTER of the smallest share is ALONE of it): one heavy before, down by a step since,
+    # fits it.
     ring = ring_of(SHARES)
+    enter = 100 * ENTER * min(SHARES.values()) * 1.01
     for node in SHARES:
         key = next(iter(keys_owned_by(ring, node, 1)))
-        assert place(HeavySessions(), {key: 100 * ALONE * SHARES[node] * 0.9}, ring=ring) == {key: node}
+        rate = 100 * ALONE * SHARES[node] * 0.85
+        heavy = HeavySessions()
+        place(heavy, {key: max(rate, enter)}, ring=ring)
+        assert place(heavy, {key: rate}, ring=ring) == {key: node}
 
 
 def test_a_session_that_alone_would_fill_a_host_past_a_third_goes_on_along_its_ring() -> None:

@@ -10,7 +10,17 @@ requests left the survivors' windows; the whole went 20.6, 22.2, 18.2 requests a
 later (seed 2).
 
 Each request adds 1 to its session's count, and counts decay with a half-life of
-HALF_LIFE_MS: the rate is the count over the decay's time constant (87 s). 60 s: the fleet
+HALF_LIFE_MS: the rate is the count over the decay's time constant (87 s), or over the
+session's own time here where that is shorter (its first request counted, at least
+_MIN_COUNTED_MS): a session that began a minute ago has not had the decay's whole memory
+to fill. Over the node's time counted instead (until 2026-12-07), a session begun after
+the node's first requests counts low until the decay's memory is full of it: by the
+decay's arithmetic, the fleet bench's sessions, begun 20 s after the agents' first
+requests, at 46% of their rate after 14 s, 62% after 24 s and 83% after 60 s, and after
+the bench's other runs (minutes of requests) at 29% after 30 s; in a fleet up for hours,
+every new session so. Heavy sessions were judged late and placed at shares below theirs,
+and on seed 2 a fifth session became heavy two minutes in, its placement moving two
+others. 60 s: the fleet
 bench's busiest session, 3.4 requests a second, is counted from about 300 requests, within
 6% (its square root), and the fifth busiest, at 0.6 a second, from about 50, within 14%.
 At 30 s, the rates' noise crossed the steps the placement compares them in (heavy.py),
@@ -37,20 +47,22 @@ MAX_TRACKED = 1024
 # Counts are kept scaled by exp(t / tau) from an origin, so that a request adds one term
 # and nothing decays in place; the origin moves on before the scale overflows a float.
 _REBASE_AFTER_MS = 200 * _TAU_MS
-# Counted for less than this, the rate is taken over this long: low, rather than a
-# session with 2 requests in its first second taken for 2 a second (in the fleet bench,
+# A session counted for less than this has its rate taken over this long: low, rather than
+# a session with 2 requests in its first second taken for 2 a second (in the fleet bench,
 # 24-29 sessions were heavy in the first seconds, each placed and moved as the counts
 # settled).
 _MIN_COUNTED_MS = 20_000
 # The model's rate is over the time counted itself, past a second's first requests.
 _MIN_RATE_MS = 1_000
-_COUNT = itemgetter(1)
+_VALUE = itemgetter(1)  # of a (session, count) or (session, rate)
 
 
 class SessionCounts:
     def __init__(self, max_models: int) -> None:
         self._max_models = max_models
         self._counts: dict[int, dict[int, float]] = {}
+        # Per model, when each session counted was first seen here (ms): its rate's time.
+        self._firsts: dict[int, dict[int, int]] = {}
         self._totals: dict[int, float] = {}
         self._origin_ms: int | None = None
         self._first_ms = 0
@@ -66,26 +78,38 @@ class SessionCounts:
                 return
             self._totals[model_id] = 0.0
             self._counts[model_id] = {}
+            self._firsts[model_id] = {}
         weight = math.exp((now_ms - self._origin_ms) / _TAU_MS)
         self._totals[model_id] += weight
         if session is None:
             return
-        counts = self._counts[model_id]
-        counts[session] = counts.get(session, 0.0) + weight
+        counts, firsts = self._counts[model_id], self._firsts[model_id]
+        count = counts.get(session)
+        if count is None:
+            count = 0.0
+            firsts[session] = now_ms
+        counts[session] = count + weight
         if len(counts) > MAX_TRACKED:
-            self._counts[model_id] = dict(heapq.nlargest(MAX_TRACKED // 2, counts.items(), key=_COUNT))
+            kept = self._counts[model_id] = dict(heapq.nlargest(MAX_TRACKED // 2, counts.items(), key=_VALUE))
+            self._firsts[model_id] = {key: firsts[key] for key in kept}
 
     def busiest(self, k: int, models: int, now_ms: int) -> dict[int, list[tuple[int, float]]]:
         """The k sessions of the highest rate (requests per second) of each of the
         `models` models with the most session requests."""
         if self._origin_ms is None:
             return {}
-        # Over at least _MIN_COUNTED_MS: a young count weighs little in a share.
-        to_rate = self._to_rate(now_ms, _MIN_COUNTED_MS)
-        # Every snapshot tick: the top k of each model, not a sort of its 1024 sessions.
+        scale = 1000.0 / _TAU_MS * math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
         chosen = heapq.nlargest(models, self._counts, key=lambda mid: sum(self._counts[mid].values()))
-        return {mid: [(s, c * to_rate) for s, c in heapq.nlargest(k, self._counts[mid].items(), key=_COUNT)]
-                for mid in chosen if self._counts[mid]}
+        out: dict[int, list[tuple[int, float]]] = {}
+        for mid in chosen:
+            firsts = self._firsts[mid]
+            # Each over its own time here, at least _MIN_COUNTED_MS (a young count weighs
+            # little in a share); every snapshot tick, the top k, not a sort of 1024.
+            rates = ((s, c * scale / -math.expm1(-max(_MIN_COUNTED_MS, now_ms - firsts[s]) / _TAU_MS))
+                     for s, c in self._counts[mid].items())
+            if top := heapq.nlargest(k, rates, key=_VALUE):
+                out[mid] = top
+        return out
 
     def routed_rps(self, model_id: int, now_ms: int) -> float:
         """All the model's requests routed here, per second. Over the time counted itself:
@@ -95,9 +119,9 @@ class SessionCounts:
         return self._totals[model_id] * self._to_rate(now_ms, _MIN_RATE_MS)
 
     def _to_rate(self, now_ms: int, floor_ms: int) -> float:
-        """What turns a count into requests a second: over the time counted so far, not the
-        decay's whole memory (in its first half-life a steady rate would otherwise count
-        at a fraction of itself), and at least floor_ms."""
+        """What turns the model's count into requests a second: over the time counted so
+        far, not the decay's whole memory (in its first half-life a steady rate would
+        otherwise count at a fraction of itself), and at least floor_ms."""
         assert self._origin_ms is not None
         counted_ms = max(floor_ms, now_ms - self._first_ms)
         return (1000.0 / _TAU_MS * math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
@@ -107,6 +131,7 @@ class SessionCounts:
         for gone in self._totals.keys() - model_ids:
             del self._totals[gone]
             del self._counts[gone]
+            del self._firsts[gone]
 
     def _rebase(self, now_ms: int) -> None:
         assert self._origin_ms is not None
@@ -115,4 +140,5 @@ class SessionCounts:
         self._totals = {mid: total * scale for mid, total in self._totals.items() if total * scale > floor}
         self._counts = {mid: {s: c * scale for s, c in self._counts[mid].items() if c * scale > floor}
                         for mid in self._totals}
+        self._firsts = {mid: {s: self._firsts[mid][s] for s in counts} for mid, counts in self._counts.items()}
         self._origin_ms = now_ms
