@@ -1,0 +1,65 @@
+"""A smaller batch's share of the sessions' ring (daemon/routing/pooling.py)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+
+import pytest
+
+from loadmesh.daemon.routing import PeerInput
+from loadmesh.daemon.routing.pooling import DESIGN_LOAD, pooling_factor
+from loadmesh.model_id import model_id
+from test_routing_router import MODEL, NOW, figures, router
+
+
+def in_flight_per_slot(slots: int, utilization: float, sigma: float, seed: int) -> float:
+    """Requests in service and waiting per slot of a FIFO queue of `slots` servers,
+    Poisson arrivals, lognormal service of mean 1 (Little's law over 200,000 requests)."""
+    rng = random.Random(seed)
+    mu = -sigma ** 2 / 2
+    free = [0.0] * slots
+    t = held = 0.0
+    n = 200_000
+    for _ in range(n):
+        t += rng.expovariate(slots * utilization)
+        done = max(t, heapq.heappop(free)) + rng.lognormvariate(mu, sigma)
+        heapq.heappush(free, done)
+        held += done - t
+    return held / t / slots
+
+
+@pytest.mark.parametrize("sigma", [1.0, 0.8])  # exponential-like, and the fleet bench's tokens
+def test_at_the_factor_a_half_batch_queues_as_the_full_one(sigma: float) -> None:
+    factor = pooling_factor(4, 8)
+    full = in_flight_per_slot(8, DESIGN_LOAD, sigma, seed=1)
+    assert in_flight_per_slot(4, DESIGN_LOAD * factor, sigma, seed=2) == pytest.approx(full, rel=0.06)
+    assert in_flight_per_slot(4, DESIGN_LOAD, sigma, seed=2) > 1.2 * full  # at its plain share
+
+
+def test_the_factor_is_one_for_the_largest_and_near_one_for_large_pools() -> None:
+    assert pooling_factor(8, 8) == pooling_factor(16, 8) == 1.0
+    assert pooling_factor(4, 8) == pytest.approx(0.905, abs=0.005)
+    assert pooling_factor(2, 8) < pooling_factor(4, 8) < pooling_factor(6, 8) < 1
+    assert pooling_factor(128, 256) == 1.0  # 64 slots and more: within a point of 1
+    assert pooling_factor(63, 128) > 0.99
+
+
+def test_a_peer_publishing_a_huge_batch_costs_a_bounded_factor() -> None:
+    # A snapshot's running count is a u32: the factor must not walk 4 billion servers.
+    assert pooling_factor(4, 2**32 - 1) == pooling_factor(4, 1024) < pooling_factor(4, 8)
+
+
+def test_a_half_batch_holds_less_than_half_the_points_a_half_pace_exactly_half() -> None:
+    # "half" queues at 4 streams: its batch is half the largest.
+    def rows(version: int, queueing: bool) -> list[PeerInput]:
+        return [figures("a", version=version, in_flight=8, running=8, ttft_p99_ms=50, pace_ms=20),
+                figures("slow", version=version, in_flight=8, running=8, ttft_p99_ms=50, pace_ms=40),
+                figures("half", version=version, in_flight=4 + 5 * queueing, running=4,
+                        waiting=5 * queueing, ttft_p99_ms=1000 if queueing else 50, pace_ms=20)]
+
+    r = router(rows(1, False))
+    r.update(rows(2, True), NOW)
+    points = r.light_points(model_id(MODEL))
+    assert points == {"a": 160, "slow": 80, "half": math.floor(80 * pooling_factor(4, 8) + 0.5)}
