@@ -59,7 +59,10 @@ def served(rows: list[dict[str, Any]], host: str, start_s: float, end_s: float) 
 
 
 def test_every_request_is_routed_and_answered_while_the_fleet_is_healthy(run: list[dict[str, Any]]) -> None:
-    before = [r for r in run if r["t"] < REJECT_AT]
+    # Sent a second before "b" stops queueing: a row's t is when its client asked
+    # /v1/best, and one asked at 24.96 s, sent to b, failed in a CI run: it reached b
+    # after the change.
+    before = [r for r in run if r["t"] < REJECT_AT - 1.0]
     assert before and all(r["status"] == 200 for r in before), \
         [r for r in before if r["status"] != 200][:3]
 
