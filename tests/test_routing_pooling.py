@@ -30,7 +30,9 @@ def in_flight_per_slot(slots: int, utilization: float, sigma: float, seed: int) 
     return held / t / slots
 
 
-@pytest.mark.parametrize("sigma", [1.0, 0.8])  # exponential-like, and the fleet bench's tokens
+# The fleet bench's tokens (a coefficient of variation near 1, as exponential service has),
+# and a heavier tail (1.3).
+@pytest.mark.parametrize("sigma", [0.8, 1.0])
 def test_at_the_factor_a_half_batch_queues_as_the_full_one(sigma: float) -> None:
     factor = pooling_factor(4, 8)
     full = in_flight_per_slot(8, DESIGN_LOAD, sigma, seed=1)

@@ -24,8 +24,10 @@ of about a third in effect. Counted at their rates, at a quarter 5-8 sessions we
 heavy where 4-5 had been (the sixth to eighth busiest, 2-2.6% of the requests, came in
 on a burst and stayed above LEAVE), and each agent logged 6-23 placements that moved a
 heavy session in a run where it had logged 3-4, two sessions of the same step
-swapping hosts back and forth (seed 7: 23, on seed 7 the small host at 2.41 times its
-share from 30 to 60 s); at a third, 3-4 again. Shares
+swapping hosts back and forth (23 on seed 7, where the small host held 2.41 times its
+share from 30 to 60 s); at a third, 3-4 again. The mark follows the smallest share, the
+pooling factor's included (pooling.py): 10% less for the small host let a sixth session
+in on seed 7. Shares
 are the ring's weights (candidates.ring_points), which every node computes alike. The
 heavy sessions are placed busiest first, each on the first candidate along its ring whose
 heavy sessions, with it, stay within ROOM of its share and which it alone would not fill
