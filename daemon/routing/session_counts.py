@@ -57,6 +57,13 @@ _MIN_RATE_MS = 1_000
 _VALUE = itemgetter(1)  # of a (session, count) or (session, rate)
 
 
+def _filled(counted_ms: float) -> float:
+    """The part of the decay's memory that counted_ms of a steady rate fill: a rate over
+    the time counted so far rather than the whole memory (in its first half-life a steady
+    rate would otherwise count at a fraction of itself) is the rate over tau divided by it."""
+    return -math.expm1(-counted_ms / _TAU_MS)
+
+
 class SessionCounts:
     def __init__(self, max_models: int) -> None:
         self._max_models = max_models
@@ -98,14 +105,14 @@ class SessionCounts:
         `models` models with the most session requests."""
         if self._origin_ms is None:
             return {}
-        scale = 1000.0 / _TAU_MS * math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
+        scale = self._per_tau(now_ms)
         chosen = heapq.nlargest(models, self._counts, key=lambda mid: sum(self._counts[mid].values()))
         out: dict[int, list[tuple[int, float]]] = {}
         for mid in chosen:
             firsts = self._firsts[mid]
             # Each over its own time here, at least _MIN_COUNTED_MS (a young count weighs
             # little in a share); every snapshot tick, the top k, not a sort of 1024.
-            rates = ((s, c * scale / -math.expm1(-max(_MIN_COUNTED_MS, now_ms - firsts[s]) / _TAU_MS))
+            rates = ((s, c * scale / _filled(max(_MIN_COUNTED_MS, now_ms - firsts[s])))
                      for s, c in self._counts[mid].items())
             if top := heapq.nlargest(k, rates, key=_VALUE):
                 out[mid] = top
@@ -116,16 +123,14 @@ class SessionCounts:
         against it, a young session's rate is as low as it was against the servers'."""
         if self._origin_ms is None or model_id not in self._totals:
             return 0.0
-        return self._totals[model_id] * self._to_rate(now_ms, _MIN_RATE_MS)
+        return (self._totals[model_id] * self._per_tau(now_ms)
+                / _filled(max(_MIN_RATE_MS, now_ms - self._first_ms)))
 
-    def _to_rate(self, now_ms: int, floor_ms: int) -> float:
-        """What turns the model's count into requests a second: over the time counted so
-        far, not the decay's whole memory (in its first half-life a steady rate would
-        otherwise count at a fraction of itself), and at least floor_ms."""
+    def _per_tau(self, now_ms: int) -> float:
+        """What turns a count (scaled from the origin) into requests a second over the
+        decay's whole memory."""
         assert self._origin_ms is not None
-        counted_ms = max(floor_ms, now_ms - self._first_ms)
-        return (1000.0 / _TAU_MS * math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
-                / -math.expm1(-counted_ms / _TAU_MS))
+        return 1000.0 / _TAU_MS * math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
 
     def forget_except(self, model_ids: set[int]) -> None:
         for gone in self._totals.keys() - model_ids:
