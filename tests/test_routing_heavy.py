@@ -150,7 +150,7 @@ def ring_of(shares: dict[str, float]) -> HashRing:
 def place(heavy: HeavySessions, rates: dict[int, float], usable: Iterable[str] = SHARES,
           ring: HashRing | None = None) -> dict[int, str]:
     ring = ring or ring_of(SHARES)
-    heavy.place(MID, rates, 100.0, SHARES, set(usable), lambda key: ring.walk_from(key << 32))
+    heavy.place(MID, rates, 100.0, SHARES, min(SHARES.values()), set(usable), lambda key: ring.walk_from(key << 32))
     return dict(heavy.placed(MID))
 
 
@@ -437,7 +437,7 @@ def test_what_peers_publish_bounds_the_placements_work() -> None:
             yield node
 
     heavy = HeavySessions()
-    heavy.place(MID, {k: 1e7 for k in range(5000)}, 100.0, nodes, set(nodes), walk)
+    heavy.place(MID, {k: 1e7 for k in range(5000)}, 100.0, nodes, min(nodes.values()), set(nodes), walk)
     assert len(heavy.placed(MID)) == MAX_HEAVY
     assert looked <= 2 * MAX_HEAVY * MAX_WALK
 

@@ -13,7 +13,7 @@ agreed on a session's host 93-95% of the time. So the judgment is made from the 
 figures: each node publishes the request rates of the busiest sessions it routed
 (gossip/snapshot.SessionRates), and every node sums them.
 
-A session is heavy once its rate is ENTER of the smallest candidate's share of the model's
+A session is heavy once its rate is ENTER of the smallest known peer's share of the model's
 requests (the requests its peers say they routed, counted as the sessions' are:
 session_counts.py), and stays heavy down to LEAVE: a third, as much as ALONE lets any
 host hold in one session, so that the small host takes a heavy session only where no
@@ -25,9 +25,9 @@ heavy where 4-5 had been (the sixth to eighth busiest, 2-2.6% of the requests, c
 on a burst and stayed above LEAVE), and each agent logged 6-23 placements that moved a
 heavy session in a run where it had logged 3-4, two sessions of the same step
 swapping hosts back and forth (23 on seed 7, where the small host held 2.41 times its
-share from 30 to 60 s); at a third, 3-4 again. The mark follows the smallest share, the
-pooling factor's included (pooling.py): 10% less for the small host let a sixth session
-in on seed 7. Shares
+share from 30 to 60 s); at a third, 3-4 again. The smallest share is taken before the
+pooling factor (pooling.py), which bounds how much a small host takes, not what weighs on
+it: taken after it, 10% less for the small host let a sixth session in on seed 7. Shares
 are the ring's weights (candidates.ring_points), which every node computes alike. The
 heavy sessions are placed busiest first, each on the first candidate along its ring whose
 heavy sessions, with it, stay within ROOM of its share and which it alone would not fill
@@ -147,12 +147,14 @@ class HeavySessions:
             del self._held[gone]
 
     def place(self, model_id: int, rates: Mapping[int, float], rps: float,
-              shares: Mapping[str, float], usable: Collection[str],
+              shares: Mapping[str, float], least: float, usable: Collection[str],
               walk: Callable[[int], Iterable[str]]) -> None:
         """rates: session key -> the fleet's requests per second of it; rps: the model's
         requests per second, the whole the rates are shares of; shares: each peer's share of the ring's
-        weight, every peer known to serve the model (summing to 1); usable: the
-        candidates among them; walk(key): the ring's peers from the key's point.
+        weight, every peer known to serve the model (summing to 1); least: the smallest
+        peer's share before the pooling factor (candidates.ring_points), which the marks
+        are parts of; usable: the candidates among them; walk(key): the ring's peers from
+        the key's point.
 
         Placed first as if every known peer were a candidate, then, for those whose host
         is not, again among the candidates with the room the others left: a host lost
@@ -166,16 +168,15 @@ class HeavySessions:
             self._steps.pop(model_id, None)
             self._held.pop(model_id, None)
             return
-        smallest = min(shares.values())
         steps = self._steps.get(model_id, {})
         # A share above 1 is a peer's error or a lie: it weighs as the whole model.
         heavy = {key: quantized_from(min(1.0, rate / rps), steps.get(key)) for key, rate in rates.items()
-                 if rate / rps >= (LEAVE if key in steps else ENTER) * smallest}
+                 if rate / rps >= (LEAVE if key in steps else ENTER) * least}
         order = _busiest(heavy)
         self._steps[model_id] = {key: heavy[key] for key in order}
         was_middling = self._middling.get(model_id, set())
         middling = {key: rate for key, rate in rates.items() if key not in heavy and rate / rps
-                    >= (MIDDLING_LEAVE if key in was_middling else MIDDLING) * smallest}
+                    >= (MIDDLING_LEAVE if key in was_middling else MIDDLING) * least}
         self._middling[model_id] = set(_busiest(middling))
         held = dict.fromkeys(shares, 0.0)
         hosts = {key: node for key in order if (node := _fit(key, heavy[key], shares, held, walk)) is not None}

@@ -51,6 +51,7 @@ from loadmesh.daemon.routing.candidates import (
     Candidate,
     ModelCandidates,
     PeerInput,
+    RING_STEPS_PER_DOUBLING,
     PeerRecord,
     RoutingConfig,
     build,
@@ -166,7 +167,8 @@ def _light_points(ring: Mapping[str, int], held: Mapping[str, float]) -> dict[st
     ring 12-16 times in the fleet bench's 90 s, each change a move of some sessions; a
     heavy session of a few percent of a large host's share now changes nothing."""
     total = sum(ring.values())
-    return {n: max(1, round(k * stepped(max(_LIGHT_FLOOR, 1 - held.get(n, 0.0) * total / k), 2)))
+    return {n: max(1, round(k * stepped(max(_LIGHT_FLOOR, 1 - held.get(n, 0.0) * total / k),
+                                        RING_STEPS_PER_DOUBLING)))
             for n, k in ring.items()}
 
 
@@ -470,7 +472,7 @@ class Router:
             ring = self._ring(entry)
             before = dict(self.heavy.placed(mid))
             self.heavy.place(mid, summed, rps, {n: k / total for n, k in entry.ring.items()},
-                             entry.by_node.keys(), lambda key: ring.walk_from(key << _KEY_SHIFT))
+                             entry.least_share, entry.by_node.keys(), lambda key: ring.walk_from(key << _KEY_SHIFT))
             _log_placements(mid, before, self.heavy.placed(mid))
             self._place_light(entry)
 
