@@ -24,6 +24,7 @@ class Reason(enum.StrEnum):
     SESSION_MOVED = "session moved along the ring", "session_moved_along_the_ring"
     SESSION_PASSED_ON = "session passed on by every peer", "session_passed_on_by_every_peer"
     SESSION_HEAVY = "heavy session on its placed peer", "heavy_session"
+    SESSION_OVERFLOW = "session's peer queueing: the next along its ring", "session_overflow"
     # None: every peer serving the model is unusable for one cause, or for mixed causes.
     UNKNOWN_MODEL = "unknown model", "unknown_model"
     ALL_DEAD = "all dead", "all_dead"

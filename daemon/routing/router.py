@@ -19,7 +19,10 @@ The choice (docs/routing.md has the reasoning and the measurements):
    what its heavy sessions take of it (_place_light), walking clockwise past peers that are unusable
    or that pass the session on: each host publishes which of its sessions it passes on
    while it carries more than its share (shed.py), so that every host makes the same
-   walk; where every usable peer passes it on, spill().
+   walk; where every usable peer passes it on, spill(). Where the peer so found queues
+   far above the fleet (overflow.py: from the snapshots' figures, alike at every host),
+   this request goes to the next usable one along the ring that does not, and the
+   session stays where it is.
 4. Otherwise (or when no ring peer is usable): d peers drawn with probability
    proportional to their effective rate (their effective capacity over their pace), and
    the one with the lowest cost wins; the effective capacity is what the peer has shown
@@ -60,6 +63,7 @@ from loadmesh.daemon.routing.candidates import (
     static_model_ids,
 )
 from loadmesh.daemon.routing.heavy import HeavySessions
+from loadmesh.daemon.routing.overflow import Overflow
 from loadmesh.daemon.routing.p2c import OwnShare, draw_exact, order
 from loadmesh.daemon.routing.reasons import Reason
 from loadmesh.daemon.routing.ring import HashRing, hash64, stepped
@@ -120,6 +124,10 @@ _ALL = {
 }
 _Usable = Callable[[Candidate], bool]
 _TIER_REASONS = (Reason.POWER_OF_D, Reason.STALE_VIEW)
+# The sessions' answers whose peer may send this request past (overflow.py): a peer that
+# keeps a light session. Passed on by every peer, it goes where the bands' weights say; a
+# heavy session stays on its placed peer (overflow.py says why).
+_OVERFLOWING = (Reason.SESSION, Reason.SESSION_MOVED)
 
 
 @dataclass(frozen=True)
@@ -239,6 +247,7 @@ class Router:
         self._shed_ms: int | None = None  # when the bands last took in the loads
         self.heavy = HeavySessions()
         self._placed_ms: int | None = None  # when the heavy sessions were last placed
+        self.overflow = Overflow()
 
     def update(self, peers: Sequence[PeerInput], now_ms: int, complete: bool = True) -> None:
         """Take the table's rows: all of them (complete: a peer not among them is gone),
@@ -322,6 +331,7 @@ class Router:
         # A light ring follows its model's ring at once: dropped until the next placement,
         # its light sessions would walk the ring's points for that while, and move twice.
         self._light = {mid: light for mid, light in self._light.items() if mid in self._models}
+        self.overflow.forget_except(set(self._models))
         for mid, (base, _) in list(self._light.items()):
             if base != self._models[mid].ring:
                 self._place_light(self._models[mid])
@@ -355,7 +365,10 @@ class Router:
             self.shedding.saw(entry.model_id, point >> _KEY_SHIFT, now_ms)
             by_ring = self._by_session(entry, session, point, usable) if entry.candidates else None
             if by_ring is not None:
-                return self._decide(*by_ring, now_ms)
+                ordered, reason = by_ring
+                if reason in _OVERFLOWING and (spare := self.overflow.spare(entry, ordered, now_ms)) is not None:
+                    ordered, reason = [spare, *(c for c in ordered if c is not spare)], Reason.SESSION_OVERFLOW
+                return self._decide(ordered, reason, now_ms)
 
         def accept(c: Candidate) -> bool:
             if not usable(c):
