@@ -27,7 +27,7 @@ overflows and drains with its own requests, and sent past by turns, the fleet be
 busiest session went between its host and the next every second or so; of the pairs of
 one session's requests that two hosts sent to different peers within a second on seed
 2, all seven were of requests sent past, four of that session's, and two hosts agreed
-94.3% of the time (light sessions only: 97.2-99.0% on seeds 7 and 1).
+94.3% of the time (light sessions only: 97.2-99.0% on four seeds; docs/routing.md).
 """
 
 from __future__ import annotations
