@@ -15,10 +15,14 @@ from test_routing_router import MODEL, NOW, SESSION_PEERS, figures, router
 SESSIONS = [f"user-{i}" for i in range(400)]
 
 
+def loaded(node: str, in_flight: int) -> PeerInput:
+    """A peer of 8 slots with in_flight requests, those past 8 waiting."""
+    return figures(node, in_flight=in_flight, running=min(in_flight, 8), waiting=max(0, in_flight - 8))
+
+
 def fleet(**in_flight: int) -> list[PeerInput]:
     """Eight peers of 8 slots, each with 6 requests in flight unless given."""
-    return [figures(p, in_flight=(n := in_flight.get(p, 6)), running=min(n, 8), waiting=max(0, n - 8))
-            for p in SESSION_PEERS]
+    return [loaded(p, in_flight.get(p, 6)) for p in SESSION_PEERS]
 
 
 def answers(rows: list[PeerInput], exclude: tuple[str, ...] = ()) -> dict[str, Decision]:
@@ -65,9 +69,7 @@ def test_a_host_far_above_the_fleet_but_within_its_batch_keeps_its_requests() ->
 def test_where_every_next_peer_queues_too_the_session_stays_home() -> None:
     # Three peers, one excluded by the request: the other two queue far above the level
     # that the idle third keeps low, and neither is the spare of the other.
-    rows = [figures(p, in_flight=n, running=min(n, 8), waiting=max(0, n - 8))
-            for p, n in (("a", 24), ("b", 24), ("c", 0))]
-    r = router(rows)
+    r = router([loaded("a", 24), loaded("b", 24), loaded("c", 0)])
     for s in SESSIONS[:100]:
         d = r.best(MODEL, s, ("c",), NOW)
         assert isinstance(d, Decision)
