@@ -99,6 +99,8 @@ def cmd_best(args: argparse.Namespace) -> int:
         query["session"] = args.session
     if args.exclude:
         query["exclude"] = args.exclude
+    if args.dry_run:
+        query["dry_run"] = "1"
     with Client(_socket_path(args)) as client:
         try:
             body = client.get("/v1/best", **query)
@@ -155,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     best.add_argument("model", metavar="MODEL", help='the JSON "model" of the request')
     best.add_argument("--session", metavar="S", help="session key: stick to one peer")
     best.add_argument("--exclude", metavar="IDS", help="comma-separated node ids to avoid")
+    best.add_argument("--dry-run", action="store_true",
+                      help="only show the answer: count no request sent (in-flight, session rates)")
     _client_options(best)
     best.set_defaults(func=cmd_best)
 

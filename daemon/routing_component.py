@@ -184,11 +184,19 @@ class RoutingComponent:
         exclude = [n for n in request.query.get("exclude", "").split(",") if n]
         if len(exclude) > MAX_EXCLUDE:
             raise HttpError(HTTPStatus.BAD_REQUEST, f"at most {MAX_EXCLUDE} excluded peers")
-        answer = self.router.best(model, request.query.get("session") or None, exclude, now_ms())
+        dry_run = request.query.get("dry_run", "0")
+        if dry_run not in ("0", "1"):
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"dry_run must be 0 or 1, not {dry_run!r}")
+        answer = self.router.best(model, request.query.get("session") or None, exclude, now_ms(),
+                                  dry_run=dry_run == "1")
+        # A dry run routes nothing: the decisions counted are the requests routed.
+        counted = dry_run == "0"
         if isinstance(answer, Decision):
-            self.decisions["routed", answer.reason.label] += 1
+            if counted:
+                self.decisions["routed", answer.reason.label] += 1
             return Response.json(dataclasses.asdict(answer))
-        self.decisions["no_peer", answer.reason.label] += 1
+        if counted:
+            self.decisions["no_peer", answer.reason.label] += 1
         body: dict[str, Any] = dataclasses.asdict(answer)
         body["error"] = f"no peer for model {model!r}: {answer.reason}"
         return Response.json(body, HTTPStatus.SERVICE_UNAVAILABLE)

@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from loadmesh.daemon.client import AgentUnavailable, ApiError, Client  # noqa: E402
-from fleet import (BIN_S, STREAMED, Host, affinity, answers, arrivals, capacity_rps,  # noqa: E402
+from fleet import (BIN_S, STREAMED, Host, affinity, agreement, answers, arrivals, capacity_rps,  # noqa: E402
                    fleet, get_json, host_bins, started, worst_bin)
 from llm_clients import nearest_rank  # noqa: E402
 from metrics_helpers import wait_for  # noqa: E402
@@ -171,16 +171,18 @@ def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str,
                     from_s: float = 0.0) -> dict[str, Any]:
     """Affinity from from_s to the kill (request-weighted share of each session's requests on its
     most common host; pairs of one session's requests entering at different hosts within
-    a second of each other that went to the same host), and after it: the sessions of the
+    a second of each other that went to the same host; the requests whose second agent,
+    asked at the same moment, named the same peer), and after it: the sessions of the
     other hosts sent elsewhere from kill_at + 4 s, their home the host they were on in the
     last 10 s before the kill (where the kill found them) and, for comparison, their most
     common host before it (which also counts a session passed on at t = 12 s as moved by
     the kill at 30 s); and the killed host's last answer."""
     home, sticky, agree, pairs = affinity(rows, from_s, kill_at)
+    agree_now, asked = agreement(rows, from_s, kill_at)
     last_home = affinity(rows, kill_at - 10, kill_at)[0]
     moved_after, after = moved(rows, last_home, killed, kill_at + 4)
     named = [r["t"] - kill_at for r in rows if r["host"] == killed and r["t"] >= kill_at]
-    return {"sticky": sticky, "agree": agree, "pairs": pairs,
+    return {"sticky": sticky, "agree": agree, "pairs": pairs, "agree_now": agree_now, "asked": asked,
             "moved_after": moved_after, "after": after,
             "moved_after_by_first_half": moved(rows, home, killed, kill_at + 4)[0],
             "churn": churn(rows, kill_at, killed, from_s),
@@ -450,8 +452,10 @@ def main() -> int:
                   f"killed at t={kill_at:g} s"
                   + (f" (the figures from t={warm:g} s, after the same sessions' warm-up)"
                      if warm else "") + "\n"
-                  f"  requests on their session's host {fig['sticky']:.1%}; two entries within "
-                  f"1 s agree {fmt_pct(fig['agree'])} ({fig['pairs']} pairs)\n"
+                  f"  requests on their session's host {fig['sticky']:.1%}; two agents asked at "
+                  f"the same moment agree {fmt_pct(fig['agree_now'])} ({fig['asked']} requests); "
+                  f"a session's requests entering at two hosts within 1 s on one host "
+                  f"{fmt_pct(fig['agree'])} ({fig['pairs']} pairs)\n"
                   f"  share of the requests in flight / share of the slots, before the kill: "
                   + " ".join(f"{k} {v:.2f}" for k, v in over.items())
                   + f"\n  after the kill: other hosts' sessions moved {fig['moved_after']:.1%} "

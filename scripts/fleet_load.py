@@ -30,7 +30,10 @@ rejecting) and the policy:
 Arrivals are sent at their time whatever happened before (open loop), so a slow policy
 does not get an easier load. Each result: t (s since start, as sent), entry, host, status
 (HTTP, or 0 for a transport error or timeout), ttft_s (streamed: to the first data:
-event), e2e_s, tokens, reason (loadmesh's), best_ms (loadmesh's /v1/best round trip).
+event), e2e_s, tokens, reason (loadmesh's), best_ms (loadmesh's /v1/best round trip); for a
+session's request under loadmesh, twin (another host, drawn) and twin_node (what its agent
+answered, asked at the same moment with dry_run=1 so that the asking counts nowhere; ""
+when it gave no answer): whether two agents agree on a session's peer at one moment.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ class Policy:
         self.turn = 0
         self.outstanding = {h["name"]: 0 for h in self.hosts}
         self.speed = {h["name"]: 1.0 for h in self.hosts}  # requests per ms of capacity
+        # Its own draws, so that asking a second agent leaves the policies' draws as they were.
+        self.twins = random.Random(plan.get("seed", 1) + 1)
+
+    def twin(self, entry: str) -> str:
+        """Another host whose agent is asked the same question at the same moment."""
+        return self.twins.choice([h["name"] for h in self.hosts if h["name"] != entry and h.get("socket")])
 
     def pick(self, session: str | None) -> str:
         if self.kind == "capacity_sessions" and session:
@@ -83,6 +92,15 @@ def _uniform(session: str, host: str) -> float:
     """A draw in (0, 1) per session and host, the same in every run."""
     digest = hashlib.blake2b(f"{session}\x1f{host}".encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "big") + 0.5) / 2**64
+
+
+async def ask(agent: httpx.AsyncClient, params: dict[str, str]) -> dict[str, Any]:
+    """An agent's /v1/best answer; {} where it gave none (an agent killed)."""
+    try:
+        answer = (await agent.get("/v1/best", params=params)).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 async def poll_speeds(policy: Policy, client: httpx.AsyncClient) -> None:
@@ -198,12 +216,20 @@ async def run(plan: dict[str, Any]) -> list[dict[str, Any]]:
             params = {"model": plan["model"]}
             if arrival.get("session"):
                 params["session"] = arrival["session"]
-            t = time.perf_counter()
-            try:
-                best = (await agent.get("/v1/best", params=params)).json()
-            except (httpx.HTTPError, ValueError):
-                best = {}
-            row["best_ms"] = (time.perf_counter() - t) * 1000
+
+            async def routed() -> dict[str, Any]:
+                t = time.perf_counter()
+                answer = await ask(agent, params)
+                row["best_ms"] = (time.perf_counter() - t) * 1000
+                return answer
+
+            if arrival.get("session"):
+                row["twin"] = policy.twin(entry)
+                best, twin = await asyncio.gather(
+                    routed(), ask(agents[row["twin"]], {**params, "dry_run": "1"}))
+                row["twin_node"] = twin.get("node_id", "")
+            else:
+                best = await routed()
             node, row["reason"] = best.get("node_id", ""), best.get("reason", "")
             if not node:
                 row.update(status=-1, ttft_s=None, e2e_s=None, tokens=0)

@@ -135,7 +135,9 @@ def affinity(rows: list[dict[str, Any]], start_s: float,
     """Of the session requests served in [start_s, end_s): each session's most common
     host; the share of the requests on it (request-weighted); and of the pairs of one
     session's consecutive requests entering at different hosts within a second, the share
-    that went to the same host, and how many pairs there were."""
+    that went to the same host, and how many pairs there were (a request sent past its
+    session's peer, overflow.py, parts from both its neighbours here, where two agents
+    asked at one moment agree: agreement() counts that)."""
     served = [r for r in rows if r["host"] and r["session"] and start_s <= r["t"] < end_s]
     hosts: dict[str, Counter[str]] = {}
     by_session: dict[str, list[dict[str, Any]]] = {}
@@ -151,6 +153,15 @@ def affinity(rows: list[dict[str, Any]], start_s: float,
                 pairs += 1
                 same += a["host"] == b["host"]
     return home, sticky, same / pairs if pairs else None, pairs
+
+
+def agreement(rows: list[dict[str, Any]], start_s: float, end_s: float) -> tuple[float | None, int]:
+    """Of the session requests sent in [start_s, end_s) whose second agent answered (asked
+    the same question at the same moment, scripts/fleet_load.py's twin), the share where
+    it named the peer the entry's agent did, and how many there were."""
+    asked = [r for r in rows if r.get("twin_node") and r["host"] and start_s <= r["t"] < end_s]
+    same = sum(r["twin_node"] == r["host"] for r in asked)
+    return (same / len(asked) if asked else None), len(asked)
 
 
 def share(rows: list[dict[str, Any]], host: str, start_s: float, end_s: float) -> float:

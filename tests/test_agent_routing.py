@@ -29,13 +29,20 @@ def test_best_feedback_and_no_candidate(make_agent, run_dir: Path) -> None:
                 raise AssertionError(f"accepted {bad}")
             except ApiError as exc:
                 assert exc.status == 400
+        dry = client.get("/v1/best", model="llama-3-8b", session="user-42", dry_run="1")
+        assert dry["node_id"] == "test-node" and dry["reason"] == best["reason"]
+        try:
+            client.get("/v1/best", model="llama-3-8b", dry_run="yes")
+            raise AssertionError("dry_run=yes accepted")
+        except ApiError as exc:
+            assert exc.status == 400 and "dry_run" in exc.message
         try:
             client.get("/v1/best", model="mistral")
             raise AssertionError("an unknown model got an answer")
         except ApiError as exc:
             assert exc.status == 503 and "unknown model" in exc.message
 
-    human = subprocess.run([LOADMESH, "best", "llama-3-8b", "--socket", sock],
+    human = subprocess.run([LOADMESH, "best", "llama-3-8b", "--dry-run", "--socket", sock],
                            capture_output=True, text=True, timeout=10)
     assert human.returncode == 0 and "10.9.8.7:8000" in human.stdout
     missing = subprocess.run([LOADMESH, "best", "mistral", "--socket", sock, "--json"],

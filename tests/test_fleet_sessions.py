@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from fleet import Host, affinity, arrivals, capacity_rps, fleet, get_json
+from fleet import Host, affinity, agreement, arrivals, capacity_rps, fleet, get_json
 from nettopo import leftovers
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
@@ -95,6 +95,11 @@ def test_agents_agree_on_a_sessions_peer_and_it_keeps_it(
     # the time.
     assert agree is not None and agree >= 0.9
     assert sticky >= 0.65
+    # Those pairs part where a request was sent past its peer, though both agents would
+    # have sent it there at that moment; each request's second agent, asked at the same
+    # moment, is the measure.
+    now, asked = agreement(rows, WARMUP, END)
+    assert asked > 100 and now is not None and now >= 0.95, (now, asked)
 
 
 def test_the_busiest_session_is_placed_on_one_large_host(

@@ -770,3 +770,21 @@ def test_importing_the_router_loads_no_probe_code() -> None:
 def test_each_reason_has_its_own_text_and_metric_label() -> None:
     assert len({r.label for r in Reason}) == len({str(r) for r in Reason}) == len(Reason)
     assert all(re.fullmatch(r"[a-z][a-z0-9_]*", r.label) for r in Reason)
+
+
+
+def test_a_dry_run_answers_alike_and_counts_nothing() -> None:
+    r = router([row("idle"), row("busy", in_flight=10)])
+    for _ in range(10):
+        dry = r.best(MODEL, None, (), NOW, dry_run=True)
+        assert isinstance(dry, Decision) and dry.node_id == "idle"
+    # Counted, those 10 would have put idle level with busy.
+    assert picks(r, 10, complete=False) == {"idle": 10}
+    assert r.best(MODEL, "user-1", (), NOW, dry_run=True) == r.best(MODEL, "user-1", (), NOW)
+    rates = r.shedding.counts
+    before = rates.routed_rps(model_id(MODEL), NOW + 1000)
+    for _ in range(20):
+        r.best(MODEL, "user-2", (), NOW + 500, dry_run=True)
+    assert rates.routed_rps(model_id(MODEL), NOW + 1000) == before
+    r.best(MODEL, "user-2", (), NOW + 500)
+    assert rates.routed_rps(model_id(MODEL), NOW + 1000) > before

@@ -346,7 +346,10 @@ class Router:
         return self.shedding.band(model_id)
 
     def best(self, model: str, session: str | None, exclude: Collection[str],
-             now_ms: int) -> Decision | NoCandidate:
+             now_ms: int, dry_run: bool = False) -> Decision | NoCandidate:
+        """The peer for one request. dry_run: the same answer, counted nowhere (no send in
+        the in-flight correction, no session request in the rates, no circuit trial
+        claimed), for whoever asks where a request would go without sending one."""
         entry = self._models.get(self._model_id(model))
         if entry is None:
             return NoCandidate(model, Reason.UNKNOWN_MODEL, {})
@@ -359,16 +362,18 @@ class Router:
                     and p.breaker.allows(now_ms))
 
         if session is None:
-            self.shedding.saw(entry.model_id, None, now_ms)
+            if not dry_run:
+                self.shedding.saw(entry.model_id, None, now_ms)
         else:
             point = hash64(session)
-            self.shedding.saw(entry.model_id, point >> _KEY_SHIFT, now_ms)
+            if not dry_run:
+                self.shedding.saw(entry.model_id, point >> _KEY_SHIFT, now_ms)
             by_ring = self._by_session(entry, session, point, usable) if entry.candidates else None
             if by_ring is not None:
                 ordered, reason = by_ring
                 if reason in _OVERFLOWING and (spare := self.overflow.spare(entry, ordered, now_ms)) is not None:
                     ordered, reason = [spare, *(c for c in ordered if c is not spare)], Reason.SESSION_OVERFLOW
-                return self._decide(ordered, reason, now_ms)
+                return self._decide(ordered, reason, now_ms, dry_run)
 
         def accept(c: Candidate) -> bool:
             if not usable(c):
@@ -386,7 +391,7 @@ class Router:
                 return self._nothing(model, entry, excluded)
             drawn, reason = filtered
         return self._decide(order(drawn, self.config.choices, lambda c: self._cost(c, share, now_ms)),
-                            reason, now_ms)
+                            reason, now_ms, dry_run)
 
     def feedback(self, node_id: str, outcome: Outcome, latency_ms: float, now_ms: int) -> bool:
         """Records a client's outcome; False when the peer is not in the table.
@@ -600,15 +605,16 @@ class Router:
                 return draw_exact(self._rng, tier, weights, self._draw), reason
         return None
 
-    def _decide(self, ordered: list[Candidate], reason: Reason, now_ms: int) -> Decision:
+    def _decide(self, ordered: list[Candidate], reason: Reason, now_ms: int, dry_run: bool) -> Decision:
         winner = ordered[0]
         peer = winner.peer
-        peer.sends.append(now_ms)
-        self._share.sent(now_ms)
-        # Own traffic older than a fresh snapshot can be is no longer worth correcting
-        # for; dropping it bounds the queues of a peer whose snapshots stopped coming.
-        peer.forget_before(now_ms - self._freshness_ms)
-        peer.breaker.claim(now_ms)
+        if not dry_run:
+            peer.sends.append(now_ms)
+            self._share.sent(now_ms)
+            # Own traffic older than a fresh snapshot can be is no longer worth correcting
+            # for; dropping it bounds the queues of a peer whose snapshots stopped coming.
+            peer.forget_before(now_ms - self._freshness_ms)
+            peer.breaker.claim(now_ms)
         return Decision(
             node_id=peer.node_id,
             endpoint=winner.endpoint,
