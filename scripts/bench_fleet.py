@@ -27,8 +27,9 @@ took of a bin), and for loadmesh the round trip of its /v1/best as the client sa
 seconds until its share (2 s bins) falls below the midpoint of its share before and its
 capacity share after. With --sessions N, last, a loadmesh run at 80% whose requests belong
 to N sessions of Zipf popularity, h3 killed (server and agent, SIGKILL) at half time: the
-share of each session's requests on its most common host, how often two requests of one
-session entering at different hosts within a second went to the same host, each host's
+share of each session's requests on its most common host, how often two agents asked at
+the same moment named the same peer, how often two requests of one session entering at
+different hosts within a second went to the same host, each host's
 share of the requests in flight (time-averaged) over its share of the fleet's batch slots
 (equal when every host is equally busy: a slot is one stream, so a host at half the speed
 holds each request twice as long and, equally busy, takes half as many), and after the kill,
@@ -38,7 +39,11 @@ over an equal window before the kill beside it: what the bands move with no kill
 the agents have learnt each host's batch and pace as they have in the full bench; with
 --session-warmup S, the same sessions' traffic runs S seconds more before it, in the same
 load, and the figures are of what follows (a fleet that has carried its sessions a while,
-as one in service has, rather than one whose sessions all begin at once). Beside it, on
+as one in service has, rather than one whose sessions all begin at once): 30 s by default,
+the figures of those first 30 s printed apart (--session-warmup 0 measures from the
+sessions' start). Two agents' agreement is asked directly: each session request's
+question goes at the same moment to a second agent, drawn, as a dry run
+(scripts/fleet_load.py). Beside it, on
 the same arrivals up to the kill (--session-baselines, run first): `capacity`, each
 request to a host drawn in proportion to its capacity, what any load-blind split at best
 achieves, `capacity_sessions`, each session on one host drawn so (an ideal static
@@ -85,6 +90,8 @@ SGLANG_VERSION = "0.3.2"
 HOSTS = (Host("h1", 8, 20), Host("h2", 8, 20), Host("h3", 8, 20), Host("h4", 8, 40),
          Host("h5", 4, 20))
 HOST_NAMES = [h.name for h in HOSTS]
+# The sessions' first seconds, reported apart from the measured run that follows them.
+COLD_S = 30.0
 
 
 def ensure_sglang() -> Path | None:
@@ -188,6 +195,18 @@ def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str,
             "churn": churn(rows, kill_at, killed, from_s),
             "killed_last_s": max(named, default=0.0),
             "reasons": Counter(r["reason"] for r in rows if r["reason"]).most_common(4)}
+
+
+def cold_start(rows: list[dict[str, Any]], flight: InFlight, start: float,
+               end_s: float) -> dict[str, Any] | None:
+    """The sessions' first end_s seconds, where the measured run comes after them: every
+    session begun at once and unknown to the agents, whose counts of them fill from
+    nothing (a fleet's first minute, or a fleet-wide change of its clients)."""
+    if end_s <= 0:
+        return None
+    occupancy = dict(zip(HOST_NAMES, flight.occupancy(start, end_s), strict=True))
+    return {"s": end_s, "sticky": affinity(rows, 0.0, end_s)[1],
+            "agree_now": agreement(rows, 0.0, end_s)[0], "occupancy": occupancy}
 
 
 class InFlight:
@@ -326,9 +345,10 @@ def main() -> int:
                     help="last, loadmesh with N sessions at 80%% load, h3 killed at half time")
     ap.add_argument("--warmup", type=float, default=20, metavar="S",
                     help="with --sessions and no --loads, S seconds of loadmesh at 80%% first")
-    ap.add_argument("--session-warmup", type=float, default=0, metavar="S",
+    ap.add_argument("--session-warmup", type=float, default=COLD_S, metavar="S",
                     help="with --sessions, the same sessions' traffic for S seconds before the "
-                         "measured run, in one load: the kill and the figures come after it")
+                         "measured run, in one load: the kill and the figures come after it "
+                         "(those of the first %(default)g s printed apart)")
     ap.add_argument("--session-baselines", default="capacity,capacity_sessions,oracle",
                     metavar="P,P", help="with --sessions, these policies first, on the same "
                     "arrivals up to the kill (no kill): the occupancy a load-blind split gets, "
@@ -446,8 +466,10 @@ def main() -> int:
             widths = bands.stop(start)
             fig = session_figures(rows, kill_at, HOSTS[killed].name, warm)
             over = dict(zip(HOST_NAMES, flight.occupancy(start, kill_at, warm), strict=True))
+            cold = cold_start(rows, flight, start, min(warm, COLD_S))
             out["runs"].append({"sessions": args.sessions, "kill_at": kill_at, "rows": rows,
-                                "figures": fig, "occupancy": over, "session_warmup": warm})
+                                "figures": fig, "occupancy": over, "session_warmup": warm,
+                                "cold_start": cold})
             print(f"\nsessions: {args.sessions} (Zipf), 80% load, loadmesh; {HOSTS[killed].name} "
                   f"killed at t={kill_at:g} s"
                   + (f" (the figures from t={warm:g} s, after the same sessions' warm-up)"
@@ -469,6 +491,12 @@ def main() -> int:
                   f"  share of its sessions each host passed on, every 5 s:\n{widths}\n"
                   f"  share of the requests in flight / share of the slots (of the hosts "
                   f"up), every 5 s:\n{flight.timeline(start)}", flush=True)
+            if cold:
+                print(f"  the sessions' first {cold['s']:g} s (all begun at t=0, unknown to the "
+                      f"agents): requests on their session's host {cold['sticky']:.1%}; two "
+                      f"agents asked at the same moment agree {fmt_pct(cold['agree_now'])}; "
+                      f"occupancy " + " ".join(f"{k} {v:.2f}" for k, v in cold["occupancy"].items()),
+                      flush=True)
             if baselines:
                 print(f"  beside it, the same arrivals up to the kill (t={warm:g}-{kill_at:g} s):")
                 for policy, sticky, occupancy in [("loadmesh", fig["sticky"], over), *baselines]:

@@ -1,5 +1,6 @@
-"""The fleet bench's figures of sessions moved by a kill (scripts/bench_fleet.py): what
-moved after it, and, over an equal window before it, what the bands moved anyway."""
+"""The fleet bench's figures of sessions (scripts/bench_fleet.py): what moved after a kill,
+and, over an equal window before it, what the bands moved anyway; how often a second
+agent, asked at the same moment, named the same peer."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def test_churn_counts_equal_windows_on_either_side_of_the_kill() -> None:
 def test_churn_has_no_windows_without_room_before_the_kill() -> None:
     rows = [row(t, "s1", "h1") for t in range(30, 90)]
     assert bench_fleet().churn(rows, 40.0, "h3", 30.0) == (0.0, None, None)
+
+
+def test_agreement_is_of_the_requests_whose_second_agent_answered() -> None:
+    rows = [{**row(t, "s1", "h1"), "twin": "h2", "twin_node": "h1" if t % 4 else "h2"}
+            for t in range(30, 50)]
+    rows += [{**row(t, "s2", "h3"), "twin": "h3", "twin_node": ""} for t in range(30, 50)]  # killed
+    rows += [row(t, "s3", "h1") for t in range(30, 50)]  # no second agent asked
+    # Of s1's 20 requests in [30, 50), those at t divisible by 4 were answered otherwise.
+    assert bench_fleet().agreement(rows, 30.0, 50.0) == (15 / 20, 20)
+    assert bench_fleet().agreement(rows, 50.0, 60.0) == (None, 0)
