@@ -90,16 +90,20 @@ def test_agents_agree_on_a_sessions_peer_and_it_keeps_it(
     # 0.69-0.78 in seven runs without the warm-up); by the bands, which every agent reads
     # alike, in eight runs: 0.96-0.98, 0.73-0.86. With a light session's request sent
     # past a host queueing far above the fleet (routing/overflow.py), in three runs:
-    # 0.94-0.96, 0.82-0.85 (with heavy sessions sent past too, 0.89-0.94). Sent by load
+    # 0.94-0.96, 0.82-0.85 (with heavy sessions sent past too, 0.89-0.94); at a mark of
+    # 1.25 with middling sessions kept home, 0.94-0.98, 0.82-0.84. Sent by load
     # alone (no sessions), a request would stay on its session's host about a third of
     # the time.
     assert agree is not None and agree >= 0.9
     assert sticky >= 0.65
     # Those pairs part where a request was sent past its peer, though both agents would
     # have sent it there at that moment; each request's second agent, asked at the same
-    # moment, is the measure.
+    # moment, is the measure: 0.968 of 525 in two runs, where the pairs said
+    # 0.92 and 0.94; with the overflow's mark at 1.25 and middling sessions kept home,
+    # 0.952, 0.971, 0.964 (pairs 0.94-0.98). Bound below those: the fleet bench measures
+    # the goal of 0.95 on five hosts.
     now, asked = agreement(rows, WARMUP, END)
-    assert asked > 100 and now is not None and now >= 0.95, (now, asked)
+    assert asked > 100 and now is not None and now >= 0.93, (now, asked)
 
 
 def test_the_busiest_session_is_placed_on_one_large_host(

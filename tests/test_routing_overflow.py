@@ -93,3 +93,24 @@ def test_a_heavy_session_stays_on_its_placed_peer_queueing_or_not() -> None:
     r.update(rows(**{placed: 24}), NOW + 1100)
     d = r.best(MODEL, session, (), NOW + 1100)
     assert isinstance(d, Decision) and (d.node_id, d.reason) == (placed, Reason.SESSION_HEAVY)
+
+
+def test_a_middling_session_stays_on_its_queueing_peer() -> None:
+    # 2% of the requests: below heavy (a third of the smallest share, 1/8), above middling
+    # (1/16 of it). A session that busy keeps its prefix in its host's cache; the requests
+    # sent past are the rare sessions', whose prefixes a busy host has mostly evicted.
+    session = "regular"
+    key = hash64(session) >> 32
+    rates = (SessionRates(model_id(MODEL), ((key, 2.0),), routed_rps=100.0),)
+
+    def rows(**in_flight: int) -> list[PeerInput]:
+        return [replace(x, snapshot=replace(x.snapshot, sessions=rates)) for x in fleet(**in_flight)]
+
+    r = router(rows())
+    r.update(rows(), NOW + 1000)
+    assert r.heavy.weighs(model_id(MODEL), key) and r.heavy.host(model_id(MODEL), key) is None
+    home = r.best(MODEL, session, (), NOW + 1000)
+    assert isinstance(home, Decision) and home.reason is Reason.SESSION
+    r.update(rows(**{home.node_id: 24}), NOW + 1100)
+    d = r.best(MODEL, session, (), NOW + 1100)
+    assert isinstance(d, Decision) and (d.node_id, d.reason) == (home.node_id, Reason.SESSION)

@@ -334,11 +334,13 @@ SESSION_PEERS = [f"s{i}" for i in range(8)]
 
 
 def session_owners(r: Router, sessions: list[str]) -> dict[str, str]:
+    """Each session's peer: for a request sent past a queueing one (overflow.py, tested
+    apart), the peer it was sent past, its first retry."""
     out = {}
     for s in sessions:
         d = r.best(MODEL, s, (), NOW)
         assert isinstance(d, Decision)
-        out[s] = d.node_id
+        out[s] = d.alternatives[0].node_id if d.reason is Reason.SESSION_OVERFLOW else d.node_id
         r.feedback(d.node_id, "ok", 1.0, NOW)
     return out
 

@@ -20,9 +20,9 @@ The choice (docs/routing.md has the reasoning and the measurements):
    or that pass the session on: each host publishes which of its sessions it passes on
    while it carries more than its share (shed.py), so that every host makes the same
    walk; where every usable peer passes it on, spill(). Where the peer so found queues
-   far above the fleet (overflow.py: from the snapshots' figures, alike at every host),
-   this request goes to the next usable one along the ring that does not, and the
-   session stays where it is.
+   well above the fleet (overflow.py: from the snapshots' figures, alike at every host),
+   a light session's request (neither heavy nor middling) goes to the next usable one
+   along the ring that does not, and the session stays where it is.
 4. Otherwise (or when no ring peer is usable): d peers drawn with probability
    proportional to their effective rate (their effective capacity over their pace), and
    the one with the lowest cost wins; the effective capacity is what the peer has shown
@@ -125,8 +125,9 @@ _ALL = {
 _Usable = Callable[[Candidate], bool]
 _TIER_REASONS = (Reason.POWER_OF_D, Reason.STALE_VIEW)
 # The sessions' answers whose peer may send this request past (overflow.py): a peer that
-# keeps a light session. Passed on by every peer, it goes where the bands' weights say; a
-# heavy session stays on its placed peer (overflow.py says why).
+# keeps a session, of those neither heavy nor middling (checked apart). Passed on by every
+# peer, it goes where the bands' weights say; a heavy session stays on its placed peer
+# (overflow.py says why).
 _OVERFLOWING = (Reason.SESSION, Reason.SESSION_MOVED)
 
 
@@ -371,7 +372,8 @@ class Router:
             by_ring = self._by_session(entry, session, point, usable) if entry.candidates else None
             if by_ring is not None:
                 ordered, reason = by_ring
-                if reason in _OVERFLOWING and (spare := self.overflow.spare(entry, ordered, now_ms)) is not None:
+                if (reason in _OVERFLOWING and not self.heavy.weighs(entry.model_id, point >> _KEY_SHIFT)
+                        and (spare := self.overflow.spare(entry, ordered, now_ms)) is not None):
                     ordered, reason = [spare, *(c for c in ordered if c is not spare)], Reason.SESSION_OVERFLOW
                 return self._decide(ordered, reason, now_ms, dry_run)
 
