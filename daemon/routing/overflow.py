@@ -6,8 +6,8 @@ what chance explains, 8 s at 2.5 times its share and 20 s at 1.6 times, because 
 moved costs its prefix cache and moving on noise passed sessions round the ring. A small
 host's queue wanders faster than that: at 80% load, a 4-slot host beside 8-slot ones
 that gets 1.2 times its share for 10 s (a count of some 20 requests; a few light
-sessions bursting together) runs past its batch and queues. On the fleet bench from the
-sessions' start the small host held 1.90-2.31 times its share of the requests in flight
+sessions bursting together) runs past its batch and queues. On the fleet bench, 30 s
+into the sessions, the small host held 1.90-2.31 times its share of the requests in flight
 (seeds 7 and 1, three runs), while 92-97% of a session's requests stayed on its host:
 affinity to spare, spent nowhere. A request sent past a queue costs one prefill
 elsewhere and moves nothing: the session's next request goes home again once the queue
