@@ -76,22 +76,22 @@ def test_where_every_next_peer_queues_too_the_session_stays_home() -> None:
         assert d.reason in (Reason.SESSION, Reason.SESSION_MOVED)
 
 
+def with_session(session: str, rps: float, **in_flight: int) -> list[PeerInput]:
+    """fleet(**in_flight), every peer publishing the session at rps of the model's 100
+    requests a second."""
+    rates = (SessionRates(model_id(MODEL), ((hash64(session) >> 32, rps),), routed_rps=100.0),)
+    return [replace(x, snapshot=replace(x.snapshot, sessions=rates)) for x in fleet(**in_flight)]
+
+
 def test_a_heavy_session_stays_on_its_placed_peer_queueing_or_not() -> None:
     # Its own bursts are most of what its host queues with: sent past by turns, it went
     # back and forth every second or so.
-    session = "busiest"
-    key = hash64(session) >> 32
-    rates = (SessionRates(model_id(MODEL), ((key, 10.0),), routed_rps=100.0),)
-
-    def rows(**in_flight: int) -> list[PeerInput]:
-        return [replace(x, snapshot=replace(x.snapshot, sessions=rates)) for x in fleet(**in_flight)]
-
-    r = router(rows())
-    r.update(rows(), NOW + 1000)  # placed once a second
-    placed = r.heavy.host(model_id(MODEL), key)
+    r = router(with_session("busiest", 10.0))
+    r.update(with_session("busiest", 10.0), NOW + 1000)  # placed once a second
+    placed = r.heavy.host(model_id(MODEL), hash64("busiest") >> 32)
     assert placed is not None
-    r.update(rows(**{placed: 24}), NOW + 1100)
-    d = r.best(MODEL, session, (), NOW + 1100)
+    r.update(with_session("busiest", 10.0, **{placed: 24}), NOW + 1100)
+    d = r.best(MODEL, "busiest", (), NOW + 1100)
     assert isinstance(d, Decision) and (d.node_id, d.reason) == (placed, Reason.SESSION_HEAVY)
 
 
@@ -99,18 +99,12 @@ def test_a_middling_session_stays_on_its_queueing_peer() -> None:
     # 2% of the requests: below heavy (a third of the smallest share, 1/8), above middling
     # (1/16 of it). A session that busy keeps its prefix in its host's cache; the requests
     # sent past are the rare sessions', whose prefixes a busy host has mostly evicted.
-    session = "regular"
-    key = hash64(session) >> 32
-    rates = (SessionRates(model_id(MODEL), ((key, 2.0),), routed_rps=100.0),)
-
-    def rows(**in_flight: int) -> list[PeerInput]:
-        return [replace(x, snapshot=replace(x.snapshot, sessions=rates)) for x in fleet(**in_flight)]
-
-    r = router(rows())
-    r.update(rows(), NOW + 1000)
+    key = hash64("regular") >> 32
+    r = router(with_session("regular", 2.0))
+    r.update(with_session("regular", 2.0), NOW + 1000)
     assert r.heavy.weighs(model_id(MODEL), key) and r.heavy.host(model_id(MODEL), key) is None
-    home = r.best(MODEL, session, (), NOW + 1000)
+    home = r.best(MODEL, "regular", (), NOW + 1000)
     assert isinstance(home, Decision) and home.reason is Reason.SESSION
-    r.update(rows(**{home.node_id: 24}), NOW + 1100)
-    d = r.best(MODEL, session, (), NOW + 1100)
+    r.update(with_session("regular", 2.0, **{home.node_id: 24}), NOW + 1100)
+    d = r.best(MODEL, "regular", (), NOW + 1100)
     assert isinstance(d, Decision) and (d.node_id, d.reason) == (home.node_id, Reason.SESSION)
