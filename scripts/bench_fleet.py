@@ -34,9 +34,10 @@ share of the requests in flight (time-averaged) over its share of the fleet's ba
 (equal when every host is equally busy: a slot is one stream, so a host at half the speed
 holds each request twice as long and, equally busy, takes half as many), and after the kill,
 how much of the other hosts' sessions moved and when h3 was last named, with the same count
-over an equal window before the kill beside it: what the bands move with no kill. Run without
---loads, the sessions run follows --warmup seconds of loadmesh without sessions, so that
-the agents have learnt each host's batch and pace as they have in the full bench; with
+over an equal window before the kill beside it: what the bands move with no kill. The
+sessions run follows --warmup seconds of loadmesh without sessions, so that the agents
+know each host's batch and pace as it is then (after the slowdown runs, h1 at its own
+speed again); with
 --session-warmup S, the same sessions' traffic runs S seconds more before it, in the same
 load, and the figures are of what follows (a fleet that has carried its sessions a while,
 as one in service has, rather than one whose sessions all begin at once): 30 s by default,
@@ -344,7 +345,7 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=0, metavar="N",
                     help="last, loadmesh with N sessions at 80%% load, h3 killed at half time")
     ap.add_argument("--warmup", type=float, default=20, metavar="S",
-                    help="with --sessions and no --loads, S seconds of loadmesh at 80%% first")
+                    help="with --sessions, S seconds of loadmesh at 80%% without sessions first")
     ap.add_argument("--session-warmup", type=float, default=COLD_S, metavar="S",
                     help="with --sessions, the same sessions' traffic for S seconds before the "
                          "measured run, in one load: the kill and the figures come after it "
@@ -447,10 +448,14 @@ def main() -> int:
                 baselines.append((policy, sticky, occupancy))
                 out["runs"].append({"sessions": args.sessions, "policy": policy, "rows": rows,
                                     "occupancy": occupancy, "sticky": sticky})
-            if not loads and args.warmup > 0:
-                # Agents as they are after the runs above (or after a while in service):
-                # each host's batch and pace learnt. Cold, the small host holds the two
-                # busiest sessions (a quarter of the requests) until it shows it queues.
+            if args.warmup > 0:
+                # Agents that know each host as it is now: its batch and pace learnt. Cold,
+                # the small host holds the two busiest sessions (a quarter of the requests)
+                # until it shows it queues; after the slowdown runs above, the agents last
+                # saw h1 at half speed, and its recovery (its ring weight doubling) fell in
+                # the sessions' window: in the full bench of 2026-12-07, 85.7% of a
+                # session's requests on its host and the busiest host 1.33 times its share,
+                # where the sessions-only run of the same seed gave 93.5% and 1.22.
                 print(f"\nwarm-up: {args.warmup:g} s of loadmesh at 80%, no sessions", flush=True)
                 run("loadmesh", arrivals(0.8 * capacity, args.warmup, args.seed + 3, len(HOSTS)),
                     None)
