@@ -367,12 +367,13 @@ class Router:
                 self.shedding.saw(entry.model_id, None, now_ms)
         else:
             point = hash64(session)
+            key = point >> _KEY_SHIFT
             if not dry_run:
-                self.shedding.saw(entry.model_id, point >> _KEY_SHIFT, now_ms)
+                self.shedding.saw(entry.model_id, key, now_ms)
             by_ring = self._by_session(entry, session, point, usable) if entry.candidates else None
             if by_ring is not None:
                 ordered, reason = by_ring
-                if (reason in _OVERFLOWING and not self.heavy.weighs(entry.model_id, point >> _KEY_SHIFT)
+                if (reason in _OVERFLOWING and not self.heavy.weighs(entry.model_id, key)
                         and (spare := self.overflow.spare(entry, ordered, now_ms)) is not None):
                     ordered, reason = [spare, *(c for c in ordered if c is not spare)], Reason.SESSION_OVERFLOW
                 return self._decide(ordered, reason, now_ms, dry_run)
