@@ -452,10 +452,9 @@ def main() -> int:
                 # Agents that know each host as it is now: its batch and pace learnt. Cold,
                 # the small host holds the two busiest sessions (a quarter of the requests)
                 # until it shows it queues; after the slowdown runs above, the agents last
-                # saw h1 at half speed. (The full bench's sessions stay worse than a
-                # sessions-only run of the same seed all the same: 85.7% on their host and
-                # the busiest host 1.33 without this warm-up, 87.1% and 1.32 with it, 93.5%
-                # and 1.22 sessions-only; docs/routing.md, "Agreement asked at one moment".)
+                # saw h1 at half speed. (The agents route nothing while the baselines run:
+                # the model's rate is counted over the time it was served, or the sessions'
+                # shares read twice theirs; daemon/routing/session_counts.py.)
                 print(f"\nwarm-up: {args.warmup:g} s of loadmesh at 80%, no sessions", flush=True)
                 run("loadmesh", arrivals(0.8 * capacity, args.warmup, args.seed + 3, len(HOSTS)),
                     None)

@@ -49,7 +49,7 @@ def test_the_busiest_come_first_and_memory_is_bounded() -> None:
     counts = SessionCounts(max_models=1)
     for ms in range(20_000):
         counts.saw(MID, 1 if ms % 3 == 0 else 2 if ms % 7 == 0 else 1000 + ms, ms)  # one-off sessions
-    assert len(counts._counts[MID]) <= MAX_TRACKED
+    assert len(counts._models[MID].counts) <= MAX_TRACKED
     top = counts.busiest(2, 8, 20_000)[MID]
     assert [key for key, _ in top] == [1, 2]
     counts.saw(MID + 1, 1, 20_000)  # a model past max_models is not counted
@@ -100,13 +100,41 @@ def test_a_session_begun_late_counts_at_its_rate_once_past_the_floor() -> None:
     assert counts.busiest(1, 1, 330_000)[MID][0][1] == pytest.approx(2.0, rel=0.05)
 
 
+def test_a_share_after_an_idle_spell_is_taken_over_the_time_served() -> None:
+    # The full fleet bench: minutes of requests, minutes of none (the other policies' runs),
+    # then sessions: a session of a quarter of the requests, 30 s in, is a quarter. Over
+    # the idle time too, the model's rate read 29% of itself and the session's share 0.85.
+    counts = SessionCounts(max_models=1)
+    for ms in range(0, 300_000, 250):
+        counts.saw(MID, None, ms)
+    assert counts.routed_rps(MID, 300_000) == pytest.approx(4.0, rel=0.01)
+    assert counts.routed_rps(MID, 600_000) < 0.2  # not routed here: out of the fleet's sums
+    for i, ms in enumerate(range(600_000, 630_000, 250)):
+        counts.saw(MID, 7 if i % 4 == 0 else None, ms)
+    share = counts.busiest(1, 1, 630_000)[MID][0][1] / counts.routed_rps(MID, 630_000)
+    assert share == pytest.approx(0.25, rel=0.02)
+
+
+def test_a_sparse_models_gaps_are_its_time() -> None:
+    # One request in 5 s: one gap in 7 is longer than IDLE_MS and is the model's time all
+    # the same (taken for an idle spell, the rate read 1.4 times high).
+    counts = SessionCounts(max_models=1)
+    rng = random.Random(3)
+    t, read = 0.0, []
+    while t < 60 * HALF_LIFE_MS:
+        t += rng.expovariate(0.2 / 1000)
+        counts.saw(MID, None, round(t))
+        read.append(counts.routed_rps(MID, round(t + rng.uniform(0, 5000))))
+    assert sum(read) / len(read) == pytest.approx(0.2, rel=0.1)
+
+
 def test_the_busiest_are_ranked_by_rate_not_by_count() -> None:
     counts = SessionCounts(max_models=1)
     for ms in range(0, 200_000, 1000):  # a session of 1 a second for 200 s
         counts.saw(MID, 1, ms)
     for ms in range(170_000, 200_000, 500):  # one of 2 a second begun 30 s ago: fewer counted
         counts.saw(MID, 2, ms)
-    assert counts._counts[MID][2] < counts._counts[MID][1]
+    assert counts._models[MID].counts[2] < counts._models[MID].counts[1]
     assert [key for key, _ in counts.busiest(2, 1, 200_000)[MID]] == [2, 1]
 
 

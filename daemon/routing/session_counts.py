@@ -10,17 +10,25 @@ requests left the survivors' windows; the whole went 20.6, 22.2, 18.2 requests a
 later (seed 2).
 
 Each request adds 1 to its session's count, and counts decay with a half-life of
-HALF_LIFE_MS: the rate is the count over the decay's time constant (87 s), or over the
-session's own time here where that is shorter (its first request counted, at least
-_MIN_COUNTED_MS): a session that began a minute ago has not had the decay's whole memory
-to fill. Over the node's time counted instead (until 2026-12-07), a session begun after
-the node's first requests counts low until the decay's memory is full of it: by the
-decay's arithmetic, the fleet bench's sessions, begun 20 s after the agents' first
-requests, at 46% of their rate after 14 s, 62% after 24 s and 83% after 60 s, and after
-the bench's other runs (minutes of requests) at 29% after 30 s; in a fleet up for hours,
-every new session so. Heavy sessions were judged late and placed at shares below theirs,
-and on seed 2 a fifth session became heavy two minutes in, its placement moving two
-others. 60 s: the fleet
+HALF_LIFE_MS: a rate is a count over the time it was counted in, that time weighted by
+the same decay. The model's time counts while the model is served here: a gap between two
+of its requests long past the usual (IDLE_MS, _SPELL usual gaps) counts, once the later
+one comes, as one usual gap at the rate served before it (until then all of it, so that a model no longer routed here falls
+out of the fleet's sums). A session's time is the model's since the session's
+first request here, at least _MIN_COUNTED_MS: a session that began a minute ago has not
+had the decay's whole memory to fill, and a session's share of the model's requests is
+then taken over one time. Over the node's time counted instead (until 2026-12-07), a
+session begun after the node's first requests counts low until the decay's memory is full
+of it: by the decay's arithmetic, the fleet bench's sessions, begun 20 s after the
+agents' first requests, at 46% of their rate after 14 s, 62% after 24 s and 83% after
+60 s. With idle time counted (until 2026-12-08), the model after minutes without requests
+counted low the same way: in the full fleet bench, where the agents route nothing while
+the other policies run, the sessions' shares read 1.7-2.3 times theirs 20-60 s after the
+sessions began, so sessions were heavy that were not; 671 and 744 of the requests were
+answered as heavy sessions' in two runs where 511 were with fresh agents, and 87.1% of a
+session's requests stayed on its host (93.5% fresh). Heavy sessions were judged late and
+placed at shares below theirs, and on seed 2 a fifth session became heavy two minutes in,
+its placement moving two others. 60 s: the fleet
 bench's busiest session, 3.4 requests a second, is counted from about 300 requests, within
 6% (its square root), and the fifth busiest, at 0.6 a second, from about 50, within 14%.
 At 30 s, the rates' noise crossed the steps the placement compares them in (heavy.py),
@@ -46,7 +54,16 @@ _TAU_MS = HALF_LIFE_MS / math.log(2)
 MAX_TRACKED = 1024
 # Counts are kept scaled by exp(t / tau) from an origin, so that a request adds one term
 # and nothing decays in place; the origin moves on before the scale overflows a float.
+# Times counted are kept alike: the integral of the same scale over the time.
 _REBASE_AFTER_MS = 200 * _TAU_MS
+# A gap between two of a model's requests here longer than IDLE_MS and than _SPELL usual
+# gaps, once the later one came, was not time the model was served here (the fleet bench's
+# agents between runs, a fleet at night), and its rate is taken over the time it was.
+# Requests arriving at random at any steady rate leave such a gap at most once in 22,000
+# (e^-10, at a second or more apart; at 4 a second e^-40); gaps of 10 s only, a model at
+# one request in 5 s read 1.4 times its rate (tests/test_routing_heavy.py).
+IDLE_MS = 10_000
+_SPELL = 10
 # A session counted for less than this has its rate taken over this long: low, rather than
 # a session with 2 requests in its first second taken for 2 a second (in the fleet bench,
 # 24-29 sessions were heavy in the first seconds, each placed and moved as the counts
@@ -57,93 +74,120 @@ _MIN_RATE_MS = 1_000
 _VALUE = itemgetter(1)  # of a (session, count) or (session, rate)
 
 
-def _filled(counted_ms: float) -> float:
-    """The part of the decay's memory that counted_ms of a steady rate fill: a rate over
-    the time counted so far rather than the whole memory (in its first half-life a steady
-    rate would otherwise count at a fraction of itself) is the rate over tau divided by it."""
-    return -math.expm1(-counted_ms / _TAU_MS)
+class _Model:
+    """One model's counts, scaled from the origin: all its requests, each session's, the
+    time counted up to its last request, and the time counted when each session began."""
+
+    __slots__ = ("total", "counts", "began", "counted", "last_ms")
+
+    def __init__(self, now_ms: int) -> None:
+        self.total = 0.0
+        self.counts: dict[int, float] = {}
+        self.began: dict[int, float] = {}
+        self.counted = 0.0
+        self.last_ms = now_ms
+
+    def scaled(self, scale: float) -> None:
+        self.total *= scale
+        self.counted *= scale
+        self.began = {s: t * scale for s, t in self.began.items()}
+        self.counts = {s: c * scale for s, c in self.counts.items()}
 
 
 class SessionCounts:
     def __init__(self, max_models: int) -> None:
         self._max_models = max_models
-        self._counts: dict[int, dict[int, float]] = {}
-        # Per model, when each session counted was first seen here (ms): its rate's time.
-        self._firsts: dict[int, dict[int, int]] = {}
-        self._totals: dict[int, float] = {}
+        self._models: dict[int, _Model] = {}
         self._origin_ms: int | None = None
-        self._first_ms = 0
 
     def saw(self, model_id: int, session: int | None, now_ms: int) -> None:
         """A request for the model was routed here: of `session` (its key), or of none."""
         if self._origin_ms is None:
-            self._origin_ms = self._first_ms = now_ms
+            self._origin_ms = now_ms
         elif now_ms - self._origin_ms > _REBASE_AFTER_MS:
             self._rebase(now_ms)
-        if model_id not in self._totals:
-            if len(self._totals) >= self._max_models:
+        model = self._models.get(model_id)
+        if model is None:
+            if len(self._models) >= self._max_models:
                 return
-            self._totals[model_id] = 0.0
-            self._counts[model_id] = {}
-            self._firsts[model_id] = {}
+            model = self._models[model_id] = _Model(now_ms)
+        gap = now_ms - model.last_ms
+        usual = model.counted / model.total if model.counted > 0 else IDLE_MS
+        if gap > max(IDLE_MS, _SPELL * usual):
+            # The spell counts as one usual gap at the rate served before it. Counted as
+            # IDLE_MS, ten seconds without a request read a model resumed at 4 a second
+            # after five idle minutes at 2.9 a second 20 s on, 3.2 30 s on (3.96 and 3.97
+            # as one gap).
+            gap = usual
+        model.counted += self._span(now_ms - gap, now_ms)
+        model.last_ms = now_ms
         weight = math.exp((now_ms - self._origin_ms) / _TAU_MS)
-        self._totals[model_id] += weight
+        model.total += weight
         if session is None:
             return
-        counts, firsts = self._counts[model_id], self._firsts[model_id]
-        count = counts.get(session)
+        count = model.counts.get(session)
         if count is None:
             count = 0.0
-            firsts[session] = now_ms
-        counts[session] = count + weight
-        if len(counts) > MAX_TRACKED:
-            kept = self._counts[model_id] = dict(heapq.nlargest(MAX_TRACKED // 2, counts.items(), key=_VALUE))
-            self._firsts[model_id] = {key: firsts[key] for key in kept}
+            model.began[session] = model.counted
+        model.counts[session] = count + weight
+        if len(model.counts) > MAX_TRACKED:
+            model.counts = dict(heapq.nlargest(MAX_TRACKED // 2, model.counts.items(), key=_VALUE))
+            model.began = {key: model.began[key] for key in model.counts}
 
     def busiest(self, k: int, models: int, now_ms: int) -> dict[int, list[tuple[int, float]]]:
         """The k sessions of the highest rate (requests per second) of each of the
         `models` models with the most session requests."""
         if self._origin_ms is None:
             return {}
-        scale = self._per_tau(now_ms)
-        chosen = heapq.nlargest(models, self._counts, key=lambda mid: sum(self._counts[mid].values()))
+        chosen = heapq.nlargest(models, self._models, key=lambda mid: sum(self._models[mid].counts.values()))
+        least = self._span(now_ms - _MIN_COUNTED_MS, now_ms)
         out: dict[int, list[tuple[int, float]]] = {}
         for mid in chosen:
-            firsts = self._firsts[mid]
-            # Each over its own time here, at least _MIN_COUNTED_MS (a young count weighs
-            # little in a share); every snapshot tick, the top k, not a sort of 1024.
-            rates = ((s, c * scale / _filled(max(_MIN_COUNTED_MS, now_ms - firsts[s])))
-                     for s, c in self._counts[mid].items())
+            model = self._models[mid]
+            counted = self._counted(model, now_ms)
+            # Each over the model's time since it began here, at least _MIN_COUNTED_MS (a
+            # young count weighs little in a share); every snapshot tick, the top k, not a
+            # sort of 1024.
+            rates = ((s, 1000.0 * c / max(least, counted - model.began[s])) for s, c in model.counts.items())
             if top := heapq.nlargest(k, rates, key=_VALUE):
                 out[mid] = top
         return out
 
     def routed_rps(self, model_id: int, now_ms: int) -> float:
-        """All the model's requests routed here, per second. Over the time counted itself:
-        against it, a young session's rate is as low as it was against the servers'."""
-        if self._origin_ms is None or model_id not in self._totals:
+        """All the model's requests routed here, per second, over the time counted."""
+        model = self._models.get(model_id)
+        if model is None:
             return 0.0
-        return (self._totals[model_id] * self._per_tau(now_ms)
-                / _filled(max(_MIN_RATE_MS, now_ms - self._first_ms)))
+        counted = max(self._span(now_ms - _MIN_RATE_MS, now_ms), self._counted(model, now_ms))
+        return 1000.0 * model.total / counted
 
-    def _per_tau(self, now_ms: int) -> float:
-        """What turns a count (scaled from the origin) into requests a second over the
-        decay's whole memory."""
+    def _counted(self, model: _Model, now_ms: int) -> float:
+        """The model's time counted until now, all of it since its last request: the rates
+        of a model no longer routed here fall as its count decays, and the fleet's sums
+        (router._place_heavy) hold what this node routes now."""
+        return model.counted + self._span(model.last_ms, now_ms)
+
+    def _span(self, start_ms: float, end_ms: float) -> float:
+        """The time from start_ms to end_ms, weighted as a count made in it is (scaled from
+        the origin): a steady rate's count over it is the rate times it."""
         assert self._origin_ms is not None
-        return 1000.0 / _TAU_MS * math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
+        if end_ms <= start_ms:
+            return 0.0
+        return _TAU_MS * math.exp((start_ms - self._origin_ms) / _TAU_MS) * math.expm1((end_ms - start_ms) / _TAU_MS)
 
     def forget_except(self, model_ids: set[int]) -> None:
-        for gone in self._totals.keys() - model_ids:
-            del self._totals[gone]
-            del self._counts[gone]
-            del self._firsts[gone]
+        for gone in self._models.keys() - model_ids:
+            del self._models[gone]
 
     def _rebase(self, now_ms: int) -> None:
         assert self._origin_ms is not None
         scale = math.exp(-(now_ms - self._origin_ms) / _TAU_MS)
         floor = 1e-3  # a request ten half-lives ago counts for less
-        self._totals = {mid: total * scale for mid, total in self._totals.items() if total * scale > floor}
-        self._counts = {mid: {s: c * scale for s, c in self._counts[mid].items() if c * scale > floor}
-                        for mid in self._totals}
-        self._firsts = {mid: {s: self._firsts[mid][s] for s in counts} for mid, counts in self._counts.items()}
+        for mid in [mid for mid, model in self._models.items() if model.total * scale <= floor]:
+            del self._models[mid]
+        for model in self._models.values():
+            model.scaled(scale)
+            gone = [s for s, c in model.counts.items() if c <= floor]
+            for s in gone:
+                del model.counts[s], model.began[s]
         self._origin_ms = now_ms
