@@ -80,6 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from loadmesh.daemon.client import AgentUnavailable, ApiError, Client  # noqa: E402
+from loadmesh.daemon.routing.reasons import Reason  # noqa: E402
 from fleet import (BIN_S, STREAMED, Host, affinity, agreement, answers, arrivals, capacity_rps,  # noqa: E402
                    fleet, get_json, host_bins, started, worst_bin)
 from llm_clients import nearest_rank  # noqa: E402
@@ -175,6 +176,12 @@ def churn(rows: list[dict[str, Any]], kill_at: float, killed: str,
     return window, after, before
 
 
+def homed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows less the requests sent past a queueing host (overflow.py): one request
+    elsewhere, its session's host unchanged, which a move of sessions does not count."""
+    return [r for r in rows if r["reason"] != Reason.SESSION_OVERFLOW]
+
+
 def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str,
                     from_s: float = 0.0) -> dict[str, Any]:
     """Affinity from from_s to the kill (request-weighted share of each session's requests on its
@@ -194,6 +201,7 @@ def session_figures(rows: list[dict[str, Any]], kill_at: float, killed: str,
             "moved_after": moved_after, "after": after,
             "moved_after_by_first_half": moved(rows, home, killed, kill_at + 4)[0],
             "churn": churn(rows, kill_at, killed, from_s),
+            "churn_homed": churn(homed(rows), kill_at, killed, from_s),
             "killed_last_s": max(named, default=0.0),
             "reasons": Counter(r["reason"] for r in rows if r["reason"]).most_common(4)}
 
@@ -491,7 +499,8 @@ def main() -> int:
                   f"{fig['killed_last_s']:.1f} s after; {dict(fig['reasons'])}\n"
                   f"  over {fig['churn'][0]:g} s windows, moved after the kill "
                   f"{fmt_pct(fig['churn'][1])}, before it (no kill: the bands' churn) "
-                  f"{fmt_pct(fig['churn'][2])}\n"
+                  f"{fmt_pct(fig['churn'][2])}; less the requests sent past a queueing host "
+                  f"{fmt_pct(fig['churn_homed'][1])} and {fmt_pct(fig['churn_homed'][2])}\n"
                   f"  share of its sessions each host passed on, every 5 s:\n{widths}\n"
                   f"  share of the requests in flight / share of the slots (of the hosts "
                   f"up), every 5 s:\n{flight.timeline(start)}", flush=True)

@@ -33,6 +33,18 @@ def test_churn_counts_equal_windows_on_either_side_of_the_kill() -> None:
     assert after == 10 / 48
 
 
+def test_a_request_sent_past_a_queueing_host_moves_no_session() -> None:
+    # s1 at home on h1 but for two requests sent past it after the kill; s2 moved to h4.
+    rows = [row(t, "s1", "h1") for t in range(30, 90)]
+    rows += [row(t, "s2", "h2" if t < 70 else "h4") for t in range(30, 90)]
+    for r in rows:
+        if r["session"] == "s1" and r["t"] in (66, 75):
+            r["host"], r["reason"] = "h2", "session's peer queueing: the next along its ring"
+    fleet = bench_fleet()
+    assert fleet.churn(rows, 60.0, "h3", 30.0)[1] == 12 / 32
+    assert fleet.churn(fleet.homed(rows), 60.0, "h3", 30.0)[1] == 10 / 30
+
+
 def test_churn_has_no_windows_without_room_before_the_kill() -> None:
     rows = [row(t, "s1", "h1") for t in range(30, 90)]
     assert bench_fleet().churn(rows, 40.0, "h3", 30.0) == (0.0, None, None)
