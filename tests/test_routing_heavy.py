@@ -103,7 +103,7 @@ def test_a_session_begun_late_counts_at_its_rate_once_past_the_floor() -> None:
 def test_a_share_after_an_idle_spell_is_taken_over_the_time_served() -> None:
     # The full fleet bench: minutes of requests, minutes of none (the other policies' runs),
     # then sessions: a session of a quarter of the requests, 30 s in, is a quarter. Over
-    # the idle time too, the model's rate read 29% of itself and the session's share 0.85.
+    # the idle time too, the model's rate read 31% of itself and the session's share 0.79.
     counts = SessionCounts(max_models=1)
     for ms in range(0, 300_000, 250):
         counts.saw(MID, None, ms)

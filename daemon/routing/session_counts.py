@@ -11,24 +11,24 @@ later (seed 2).
 
 Each request adds 1 to its session's count, and counts decay with a half-life of
 HALF_LIFE_MS: a rate is a count over the time it was counted in, that time weighted by
-the same decay. The model's time counts while the model is served here: a gap between two
-of its requests long past the usual (IDLE_MS, _SPELL usual gaps) counts, once the later
-one comes, as one usual gap at the rate served before it (until then all of it, so that a model no longer routed here falls
-out of the fleet's sums). A session's time is the model's since the session's
-first request here, at least _MIN_COUNTED_MS: a session that began a minute ago has not
-had the decay's whole memory to fill, and a session's share of the model's requests is
-then taken over one time. Over the node's time counted instead (until 2026-12-07), a
-session begun after the node's first requests counts low until the decay's memory is full
-of it: by the decay's arithmetic, the fleet bench's sessions, begun 20 s after the
-agents' first requests, at 46% of their rate after 14 s, 62% after 24 s and 83% after
-60 s. With idle time counted (until 2026-12-08), the model after minutes without requests
-counted low the same way: in the full fleet bench, where the agents route nothing while
-the other policies run, the sessions' shares read 1.7-2.3 times theirs 20-60 s after the
-sessions began, so sessions were heavy that were not; 671 and 744 of the requests were
-answered as heavy sessions' in two runs where 511 were with fresh agents, and 87.1% of a
-session's requests stayed on its host (93.5% fresh). Heavy sessions were judged late and
-placed at shares below theirs, and on seed 2 a fifth session became heavy two minutes in,
-its placement moving two others. 60 s: the fleet
+the same decay. The model's time counts while the model is served here: a gap between
+two of its requests long past the usual (IDLE_MS, _SPELL usual gaps) counts, once the
+later one comes, as one usual gap at the rate served before it (until then all of it, so
+that a model no longer routed here falls out of the fleet's sums). A session's time is
+the model's since the session's first request here, at least _MIN_COUNTED_MS: a session
+that began a minute ago has not had the decay's whole memory to fill, and a session's
+share of the model's requests is taken over one time. Over the node's time counted
+instead (until 2026-12-07), a session begun after the node's first requests counted low
+until the decay's memory was full of it: by the decay's arithmetic, the fleet bench's
+sessions, begun 20 s after the agents' first requests, at 46% of their rate after 14 s,
+62% after 24 s and 83% after 60 s; heavy sessions were judged late and placed at shares
+below theirs, and on seed 2 a fifth session became heavy two minutes in, its placement
+moving two others. With idle time counted as the model's (until 2026-12-08), the model
+after minutes without requests counted low the same way: in the full fleet bench, whose
+agents route nothing while the other policies run, the sessions' shares read 1.7-2.3
+times theirs 20-60 s after the sessions began, sessions were heavy that were not (7
+placed where 3-5 are; 662-744 requests answered as heavy sessions' where 510-538 are),
+and 84-88% of a session's requests stayed on its host where 90-94% do. 60 s: the fleet
 bench's busiest session, 3.4 requests a second, is counted from about 300 requests, within
 6% (its square root), and the fifth busiest, at 0.6 a second, from about 50, within 14%.
 At 30 s, the rates' noise crossed the steps the placement compares them in (heavy.py),
@@ -173,7 +173,8 @@ class SessionCounts:
         assert self._origin_ms is not None
         if end_ms <= start_ms:
             return 0.0
-        return _TAU_MS * math.exp((start_ms - self._origin_ms) / _TAU_MS) * math.expm1((end_ms - start_ms) / _TAU_MS)
+        return (_TAU_MS * math.exp((start_ms - self._origin_ms) / _TAU_MS)
+                * math.expm1((end_ms - start_ms) / _TAU_MS))
 
     def forget_except(self, model_ids: set[int]) -> None:
         for gone in self._models.keys() - model_ids:
