@@ -87,11 +87,12 @@ class _Model:
         self.counted = 0.0
         self.last_ms = now_ms
 
-    def scaled(self, scale: float) -> None:
+    def scaled(self, scale: float, floor: float) -> None:
+        """Everything times scale, less the sessions whose count falls to floor."""
         self.total *= scale
         self.counted *= scale
-        self.began = {s: t * scale for s, t in self.began.items()}
-        self.counts = {s: c * scale for s, c in self.counts.items()}
+        self.counts = {s: c * scale for s, c in self.counts.items() if c * scale > floor}
+        self.began = {s: self.began[s] * scale for s in self.counts}
 
 
 class SessionCounts:
@@ -187,8 +188,5 @@ class SessionCounts:
         for mid in [mid for mid, model in self._models.items() if model.total * scale <= floor]:
             del self._models[mid]
         for model in self._models.values():
-            model.scaled(scale)
-            gone = [s for s, c in model.counts.items() if c <= floor]
-            for s in gone:
-                del model.counts[s], model.began[s]
+            model.scaled(scale, floor)
         self._origin_ms = now_ms
